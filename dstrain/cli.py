@@ -1,0 +1,158 @@
+"""The `dstrain` command line: thin Typer commands that hand off to one module each.
+
+Nothing heavy is imported at module level: `dstrain --help`, `presets` and `config` never import
+torch or DeepSpeed, so they answer at once. Bad input raises UserError, printed here with exit code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+
+from dstrain.errors import EXIT_BAD_INPUT, UserError
+
+app = typer.Typer(
+    name="dstrain",
+    help="Config-driven DeepSpeed training: pick a preset, see the exact config, launch the real ranks.\n\n"
+    "Examples:\n\n  dstrain presets\n\n  dstrain config --preset stage2_offload --deepspeed-json\n\n"
+    "  dstrain run --preset stage2_offload\n\n  dstrain estimate --params 7e9 --gpus 8",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+PresetOpt = typer.Option(None, "--preset", "-p", help="Preset name (see `dstrain presets`); '-' or '_' both work.")
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML or JSON run config; may name its preset with 'preset:'.")
+SetOpt = typer.Option(None, "--set", "-s", help="Override any key: --set train.lr=3e-4 (repeatable).")
+GpusOpt = typer.Option(None, "--gpus", help="Ranks per node (GPUs; CPU ranks with --accelerator cpu). Default: all GPUs, or 2 CPU ranks.")
+NodesOpt = typer.Option(1, "--nodes", help="Number of nodes.")
+AccelOpt = typer.Option("auto", "--accelerator", help="auto (CUDA when present), cuda or cpu (gloo ranks, for development and CI).")
+
+
+def _stderr():
+    from rich.console import Console
+    return Console(stderr=True, highlight=False)
+
+
+def handles_user_errors(func: Callable) -> Callable:
+    """Print UserError as a message (no traceback) and exit with code 2."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except UserError as err:
+            _stderr().print(f"[bold red]error:[/] {err}", markup=True, soft_wrap=True)
+            raise typer.Exit(EXIT_BAD_INPUT)
+    return wrapper
+
+
+def _world(gpus: Optional[int], nodes: int, accelerator: str) -> tuple[int, str]:
+    from dstrain.hardware import default_ranks_per_node, resolve_accelerator
+    if nodes < 1 or (gpus is not None and gpus < 1):
+        raise UserError.single("must be at least 1", "--gpus/--nodes", "e.g. --gpus 2 --nodes 1")
+    if accelerator not in ("auto", "cuda", "cpu"):
+        raise UserError.single(f"unknown accelerator {accelerator!r}", "--accelerator", "use auto, cuda or cpu")
+    acc = resolve_accelerator(accelerator)
+    ranks = gpus if gpus is not None else default_ranks_per_node(acc)
+    return ranks * nodes, acc
+
+
+@app.command("presets")
+@handles_user_errors
+def presets_cmd(name: Optional[str] = typer.Argument(None, help="Show this preset's file.")) -> None:
+    """List the shipped presets, or show one.
+
+    Examples:
+
+      dstrain presets
+
+      dstrain presets stage3-offload
+    """
+    from dstrain import show
+    show.presets(name)
+
+
+@app.command("config")
+@handles_user_errors
+def config_cmd(
+    preset: Optional[str] = PresetOpt,
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[List[str]] = SetOpt,
+    gpus: Optional[int] = GpusOpt,
+    nodes: int = NodesOpt,
+    accelerator: str = AccelOpt,
+    explain: bool = typer.Option(False, "--explain", help="Show which layer set each key."),
+    deepspeed_json: bool = typer.Option(False, "--deepspeed-json", help="Print exactly the JSON given to deepspeed.initialize."),
+) -> None:
+    """Resolve and print the run config (defaults < preset < --config < PL_DEEPSPEED_CONFIG_PATH < --set).
+
+    Examples:
+
+      dstrain config --preset stage2_offload --deepspeed-json
+
+      dstrain config --config run.yaml --set train.micro_batch_size=4 --gpus 8 --explain
+
+      PL_DEEPSPEED_CONFIG_PATH=ds.json dstrain config --deepspeed-json
+    """
+    from dstrain import show
+    from dstrain.config.resolve import resolve
+    world, acc = _world(gpus, nodes, accelerator)
+    resolved = resolve(preset, config, set_ or [], world_size=world, accelerator=acc)
+    show.resolved_config(resolved, explain=explain, deepspeed_json=deepspeed_json)
+
+
+@app.command("run")
+@handles_user_errors
+def run_cmd(
+    preset: Optional[str] = PresetOpt,
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[List[str]] = SetOpt,
+    gpus: Optional[int] = GpusOpt,
+    nodes: int = NodesOpt,
+    hostfile: Optional[Path] = typer.Option(None, "--hostfile", help="DeepSpeed hostfile: 'host slots=N' per line."),
+    include: Optional[str] = typer.Option(None, "--include", help="Hosts/GPUs to use, e.g. 'node1:0,1@node2'."),
+    exclude: Optional[str] = typer.Option(None, "--exclude", help="Hosts/GPUs to skip, e.g. 'node1:3'."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port (default: a free one)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rendezvous address of node rank 0."),
+    launcher: Optional[str] = typer.Option(None, "--launcher", help="Multi-node backend: pdsh, openmpi, mvapich, slurm, mpich, impi."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank, with --no-ssh."),
+    no_ssh: bool = typer.Option(False, "--no-ssh", help="Start this node's ranks only; run once per node (with --node-rank)."),
+    accelerator: str = AccelOpt,
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where config, metrics and checkpoints go (default runs/<time>-<preset>)."),
+    resume: Optional[str] = typer.Option(None, "--resume", help="'latest' or a checkpoint path/tag to continue from."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate everything and print the plan; start nothing."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show DeepSpeed's own INFO logging."),
+) -> None:
+    """Train: write the run directory, then start the ranks through the deepspeed launcher.
+
+    Examples:
+
+      dstrain run --preset stage2_offload
+
+      dstrain run --preset stage3 --gpus 8 --set train.max_steps=1000 --run-dir runs/big
+
+      dstrain run --preset stage2 --accelerator cpu --gpus 2 --run-dir D --resume latest
+
+      dstrain run --config run.yaml --hostfile hosts --launcher pdsh --dry-run
+    """
+    from dstrain.launch import LaunchOptions, launch
+    world_per_node_gpus = gpus
+    options = LaunchOptions(
+        preset=preset, config_file=config, sets=set_ or [], gpus=world_per_node_gpus, nodes=nodes,
+        hostfile=hostfile, include=include, exclude=exclude, master_port=master_port,
+        master_addr=master_addr, launcher=launcher, node_rank=node_rank, no_ssh=no_ssh,
+        accelerator=accelerator, run_dir=run_dir, resume=resume, dry_run=dry_run, verbose=verbose)
+    raise typer.Exit(launch(options))
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

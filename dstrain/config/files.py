@@ -1,0 +1,102 @@
+"""Reading config files and `--set` overrides into plain dicts, with errors a user can act on."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dstrain.errors import UserError
+
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def read_mapping(path: Path, what: str) -> dict[str, Any]:
+    """Read a YAML or JSON file whose root is a mapping. `what` names the file's role in messages."""
+    where = f"{what} {path}"
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError.single("file not found", where, "check the path (relative paths start at the current directory)")
+    except IsADirectoryError:
+        raise UserError.single("is a directory, not a file", where, "name a .yaml or .json file")
+    except OSError as err:
+        raise UserError.single(f"cannot read: {err.strerror}", where, "check the file's permissions")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError.single(f"not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}); is it a binary file?",
+                               where, "name a YAML or JSON text file")
+    if "\x00" in text:
+        raise UserError.single("contains NUL bytes; is it a binary file?", where, "name a YAML or JSON text file")
+    if not text.strip():
+        raise UserError.single("file is empty", where, "write the settings to override, e.g. 'train:\\n  max_steps: 100'")
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise UserError.single(f"JSON syntax error at line {err.lineno}, column {err.colno}: {err.msg}", where,
+                               "fix the JSON syntax (a trailing comma or a missing quote is the usual cause)")
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError.single(f"YAML syntax error{at}: {problem}", where,
+                               "fix the YAML syntax (indentation with spaces, 'key: value' pairs)")
+    except RecursionError:
+        raise UserError.single("nested too deeply to read", where, "flatten the file")
+    if data is None:
+        raise UserError.single("file holds no settings (only comments?)", where, "add settings or drop the file")
+    if not isinstance(data, dict):
+        raise UserError.single(f"the top level must be a mapping of keys to values, not a {_kind(data)}", where,
+                               "write 'key: value' lines at the top level, e.g. 'train:\\n  max_steps: 100'")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise UserError.single(f"keys must be strings, found {bad[0]!r}", where, "quote the key or rename it")
+    return data
+
+
+def parse_value(text: str) -> Any:
+    """Parse a `--set` value: numbers (5e8 too), true/false/null, [lists], {maps}, else a string."""
+    stripped = text.strip()
+    if _NUMBER.match(stripped):
+        number = float(stripped)
+        is_int_text = re.match(r"^[+-]?\d+$", stripped)
+        return int(stripped) if is_int_text else (int(number) if number.is_integer() and abs(number) >= 1e3 else number)
+    try:
+        value = yaml.safe_load(stripped) if stripped else ""
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (bool, list, dict)) or value is None else text
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """Turn ["train.lr=3e-4", ...] into a nested dict; later items win."""
+    out: dict[str, Any] = {}
+    problems = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not sep or not key or any(not p for p in parts):
+            problems.append((f"--set {item!r}", "expected KEY.PATH=VALUE", "e.g. --set train.max_steps=100"))
+            continue
+        node = out
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = parse_value(value)
+    if problems:
+        from dstrain.errors import Problem
+        raise UserError([Problem(msg, where, fix) for where, msg, fix in problems])
+    return out
+
+
+def _kind(value: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), type(value).__name__)

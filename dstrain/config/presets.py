@@ -1,0 +1,49 @@
+"""The shipped presets: YAML files installed as the package data `dstrain.presets`."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from dstrain.errors import UserError
+
+# Fastest first: each step down trades speed for memory. `dstrain estimate` walks this order.
+PRESET_ORDER = ("stage1", "stage2", "stage2_offload", "stage3", "stage3_offload", "stage3_nvme")
+
+
+def presets_dir() -> Path:
+    """Where the preset YAML files are: the installed package data, or presets/ of a source checkout
+    (an editable install maps only the top-level package, so `dstrain.presets` is not importable there)."""
+    try:
+        return Path(str(resources.files("dstrain.presets")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "presets"
+
+
+def normalize(name: str) -> str:
+    """Preset names accept '-' or '_' and any case: 'Stage3-NVMe' -> 'stage3_nvme'."""
+    return name.strip().lower().replace("-", "_")
+
+
+def available() -> list[str]:
+    names = {p.stem for p in presets_dir().glob("*.yaml")}
+    return [n for n in PRESET_ORDER if n in names] + sorted(names - set(PRESET_ORDER))
+
+
+def preset_path(name: str, where: str = "--preset") -> Path:
+    """The file of a preset, or a UserError listing the valid names."""
+    path = presets_dir() / f"{normalize(name)}.yaml"
+    if not path.is_file():
+        from dstrain.config.deepspeed_keys import suggest
+        hint = suggest(normalize(name), available())
+        raise UserError.single(f"unknown preset {name!r}" + (f"; {hint}" if hint else ""), where,
+                               "choose one of: " + ", ".join(available()) + " (see `dstrain presets`)")
+    return path
+
+
+def description(name: str) -> str:
+    """The preset's first comment line: what it is and what it trades."""
+    for line in preset_path(name).read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").split(" — ", 1)[-1].strip()
+    return ""

@@ -1,0 +1,439 @@
+"""From merged layers to a validated RunConfig and the explicit DeepSpeed JSON that will run.
+
+Steps: validate the dstrain sections with the schema; check the deepspeed section's keys and
+translate deprecated spellings; link quantities that have two spellings (train.* and DeepSpeed
+keys); fill in "auto"; check the batch arithmetic and the cross-field rules; render the JSON.
+All problems are collected and raised together as one UserError.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from dstrain.config import deepspeed_keys as dsk
+from dstrain.config.layers import DEFAULT, Merged, Source, collect_layers, flatten, get_path, merge, set_path
+from dstrain.config.schema import RunConfig
+from dstrain.errors import Problem, UserError
+
+AUTO = "auto"
+
+# train.* key <-> DeepSpeed key: one quantity, two spellings.
+LINKS = (
+    ("train.micro_batch_size", "deepspeed.train_micro_batch_size_per_gpu"),
+    ("train.grad_accum_steps", "deepspeed.gradient_accumulation_steps"),
+    ("train.global_batch_size", "deepspeed.train_batch_size"),
+    ("train.lr", "deepspeed.optimizer.params.lr"),
+    ("train.grad_clip", "deepspeed.gradient_clipping"),
+    ("train.weight_decay", "deepspeed.optimizer.params.weight_decay"),
+    ("train.betas", "deepspeed.optimizer.params.betas"),
+    ("train.eps", "deepspeed.optimizer.params.eps"),
+)
+
+OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "onebitadam": "OneBitAdam",
+                   "onebitlamb": "OneBitLamb", "zerooneadam": "ZeroOneAdam"}
+
+SECRET_KEY = re.compile(r"(^|_)(api_?key|token|password|secret)$", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+@dataclass
+class ResolvedConfig:
+    """The outcome of resolution: what will run, and where each setting came from."""
+
+    config: RunConfig
+    ds_config: dict[str, Any]
+    sources: dict[str, str]
+    world_size: int
+    accelerator: str
+    preset: str | None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def precision(self) -> str:
+        return self.config.train.precision
+
+    def config_hash(self) -> str:
+        """Short hash of what determines the training trajectory (used to guard resumes)."""
+        blob = json.dumps(self.config.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def resolve(preset: str | None = None, config_file: Path | None = None, sets: list[str] | None = None,
+            world_size: int = 1, accelerator: str = "cuda", env: dict[str, str] | None = None) -> ResolvedConfig:
+    """Resolve every layer into the config that will run. `accelerator` is "cuda" or "cpu"."""
+    layers, preset_name = collect_layers(preset, config_file, sets or [], env)
+    merged = merge(layers)
+    merged.preset = preset_name
+    return resolve_merged(merged, world_size, accelerator)
+
+
+def resolve_merged(merged: Merged, world_size: int, accelerator: str) -> ResolvedConfig:
+    problems: list[Problem] = []
+    warnings: list[str] = []
+    ds = merged.data.setdefault("deepspeed", {})
+    if not isinstance(ds, dict):
+        raise UserError.single("must be a mapping of DeepSpeed keys", _where(merged, "deepspeed"),
+                               "write the DeepSpeed settings as keys under 'deepspeed:'")
+
+    _check_deepspeed_keys(merged, problems, warnings)
+    notes = _link(merged, problems)
+    dstrain_part = {k: v for k, v in merged.data.items() if k != "deepspeed"}
+    dstrain_part["preset"] = merged.preset
+    config = _validate_schema(dstrain_part, merged, problems)
+    if config is None:
+        raise UserError(problems)
+
+    precision = _resolve_precision(config, merged, accelerator, problems, notes)
+    config.train.precision = precision
+    _resolve_batch(config, merged, world_size, problems, notes)
+    rendered = _render(config, merged, notes, problems)
+    _cross_field_checks(rendered, merged, problems)
+    if problems:
+        raise UserError(problems)
+
+    config.deepspeed = rendered
+    sources = {}
+    for path in flatten(config.model_dump(mode="json")):
+        sources[path] = notes.get(path) or merged.source_of(path).label
+    for train_path, ds_path in LINKS:
+        if get_path(config.model_dump(), ds_path) is not None:
+            sources[ds_path] = f"follows {train_path} ({sources[train_path]})"
+    for path in ("deepspeed.fp16.enabled", "deepspeed.bf16.enabled"):
+        if path in sources:
+            sources[path] = f"follows train.precision ({sources['train.precision']})"
+    sources["preset"] = "--preset / --config" if merged.preset else "default"
+    return ResolvedConfig(config, rendered, sources, world_size, accelerator, merged.preset, warnings)
+
+
+def _where(merged: Merged, path: str) -> str:
+    source = merged.source_of(path)
+    return f"{source.label}: {path}" if source is not DEFAULT else path
+
+
+def _validate_schema(data: dict, merged: Merged, problems: list[Problem]) -> RunConfig | None:
+    data = copy.deepcopy(data)
+    if get_path(data, "train.global_batch_size") == AUTO:  # "auto" global batch: derived later
+        set_path(data, "train.global_batch_size", None)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        for e in err.errors():
+            path = ".".join(str(p) for p in e["loc"])
+            problems.append(Problem(_pydantic_message(e), _where(merged, path), _pydantic_fix(e, path)))
+        return None
+
+
+def _pydantic_message(e: dict) -> str:
+    if e["type"] == "extra_forbidden":
+        return "unknown key"
+    value = e.get("input")
+    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return f"{e['msg']} (got {shown[:80]})"
+
+
+def _pydantic_fix(e: dict, path: str) -> str:
+    from dstrain.config import schema
+    parts = path.split(".")
+    section = {"model": schema.ModelConfig, "data": schema.DataConfig, "train": schema.TrainConfig}
+    model = section.get(parts[0]) if len(parts) == 2 else (schema.RunConfig if len(parts) == 1 else None)
+    if e["type"] == "extra_forbidden":
+        if model is None:
+            return "remove it"
+        hint = dsk.suggest(parts[-1], model.model_fields)
+        prefix = parts[0] + "." if len(parts) == 2 else ""
+        return (hint + " " if hint else "") + "valid keys: " + ", ".join(prefix + f for f in model.model_fields)
+    if model is not None and parts[-1] in model.model_fields:
+        return model.model_fields[parts[-1]].description.splitlines()[0]
+    return "see `dstrain config --explain` for the valid keys"
+
+
+def _check_deepspeed_keys(merged: Merged, problems: list[Problem], warnings: list[str]) -> None:
+    ds = merged.data["deepspeed"]
+    for key in list(ds):
+        if key not in dsk.TOP_LEVEL_KEYS:
+            hint = dsk.suggest(key, dsk.TOP_LEVEL_KEYS)
+            problems.append(Problem("unknown DeepSpeed key (DeepSpeed would silently ignore it)",
+                                    _where(merged, f"deepspeed.{key}"),
+                                    hint or "remove it; see DeepSpeed's config documentation"))
+    zero = ds.get("zero_optimization")
+    if zero is None:
+        return
+    if isinstance(zero, bool):  # the oldest spelling: "zero_optimization": true meant stage 1
+        warnings.append(f"{_where(merged, 'deepspeed.zero_optimization')}: 'true' is deprecated; "
+                        "read as {stage: 1}. Write zero_optimization: {stage: 1}")
+        ds["zero_optimization"] = zero = {"stage": 1 if zero else 0}
+    if not isinstance(zero, dict):
+        problems.append(Problem("must be a mapping", _where(merged, "deepspeed.zero_optimization"),
+                                "e.g. zero_optimization: {stage: 2}"))
+        return
+    _translate_deprecated_zero(zero, merged, warnings)
+    known = dsk.zero_keys("")
+    if known is not None:
+        for key in zero:
+            if key not in known.names:
+                hint = dsk.suggest(key, known.names)
+                problems.append(Problem("unknown ZeRO key", _where(merged, f"deepspeed.zero_optimization.{key}"),
+                                        hint or "remove it; valid keys are DeepSpeedZeroConfig's fields"))
+    for part in ("offload_param", "offload_optimizer"):
+        section = zero.get(part)
+        part_keys = dsk.zero_keys(part)
+        if isinstance(section, dict) and part_keys is not None:
+            for key in section:
+                if key not in part_keys.names:
+                    hint = dsk.suggest(key, part_keys.names)
+                    problems.append(Problem("unknown offload key",
+                                            _where(merged, f"deepspeed.zero_optimization.{part}.{key}"),
+                                            hint or "valid keys: " + ", ".join(sorted(part_keys.names))))
+    for key in dsk.POSITIVE_ZERO_KEYS:
+        value = zero.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            problems.append(Problem(f"must be positive (got {value})",
+                                    _where(merged, f"deepspeed.zero_optimization.{key}"),
+                                    "use a positive number of elements, e.g. 5e8"))
+
+
+def _translate_deprecated_zero(zero: dict, merged: Merged, warnings: list[str]) -> None:
+    """DeepSpeed's deprecated ZeRO spellings become the modern ones, each with a warning."""
+    base = "deepspeed.zero_optimization"
+    moves = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+    for old, new in moves.items():
+        if old in zero:
+            enabled = zero.pop(old)
+            src = merged.sources.pop(f"{base}.{old}", DEFAULT)
+            if enabled and not isinstance(zero.get(new), dict):
+                zero[new] = {"device": "cpu"}
+                merged.sources[f"{base}.{new}.device"] = src
+            warnings.append(f"{src.label}: {base}.{old} is deprecated; read as {new}: "
+                            f"{{device: {'cpu' if enabled else 'none'}}}. Write that instead.")
+    if "cpu_offload_use_pin_memory" in zero:
+        pin = zero.pop("cpu_offload_use_pin_memory")
+        src = merged.sources.pop(f"{base}.cpu_offload_use_pin_memory", DEFAULT)
+        for new in moves.values():
+            if isinstance(zero.get(new), dict):
+                zero[new].setdefault("pin_memory", pin)
+        warnings.append(f"{src.label}: {base}.cpu_offload_use_pin_memory is deprecated; read as pin_memory "
+                        "in offload_optimizer/offload_param. Write that instead.")
+    old16 = "stage3_gather_fp16_weights_on_model_save"
+    if old16 in zero:
+        zero["stage3_gather_16bit_weights_on_model_save"] = zero.pop(old16)
+        src = merged.sources.pop(f"{base}.{old16}", DEFAULT)
+        merged.sources[f"{base}.stage3_gather_16bit_weights_on_model_save"] = src
+        warnings.append(f"{src.label}: {base}.{old16} is deprecated; read as "
+                        "stage3_gather_16bit_weights_on_model_save. Write that instead.")
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None and value != AUTO
+
+
+def _link(merged: Merged, problems: list[Problem]) -> dict[str, str]:
+    """Make each linked pair agree: the higher layer wins. Returns notes on derived sources."""
+    notes: dict[str, str] = {}
+    data = merged.data
+    for train_path, ds_path in LINKS:
+        train_value = get_path(data, train_path)
+        ds_value = get_path(data, ds_path)
+        if not _is_set(ds_value):
+            continue
+        train_src = merged.source_of(train_path) if _is_set(train_value) else DEFAULT
+        ds_src = merged.source_of(ds_path)
+        if train_src.rank == ds_src.rank and train_src is not DEFAULT and _differs(train_value, ds_value):
+            problems.append(Problem(f"{train_path}={train_value!r} and {ds_path}={ds_value!r} are the same "
+                                    "quantity with different values", train_src.label,
+                                    f"set only one of {train_path} and {ds_path}"))
+            continue
+        if ds_src.rank >= train_src.rank:
+            set_path(data, train_path, list(ds_value) if isinstance(ds_value, tuple) else ds_value)
+            notes[train_path] = f"{ds_src.label} (as {ds_path})"
+    return notes
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) != list(b)
+    try:
+        return float(a) != float(b)
+    except (TypeError, ValueError):
+        return a != b
+
+
+def _resolve_precision(config: RunConfig, merged: Merged, accelerator: str, problems: list[Problem],
+                       notes: dict[str, str]) -> str:
+    ds = merged.data["deepspeed"]
+    on = {name: get_path(ds, f"{name}.enabled") is True for name in ("fp16", "bf16")}
+    if on["fp16"] and on["bf16"]:
+        problems.append(Problem("fp16 and bf16 are both enabled",
+                                f"{_where(merged, 'deepspeed.fp16.enabled')} and {_where(merged, 'deepspeed.bf16.enabled')}",
+                                "enable one of them, or set train.precision=bf16|fp16|fp32 and drop both"))
+        return "fp32"
+    ds_choice = "bf16" if on["bf16"] else "fp16" if on["fp16"] else None
+    train_src = merged.source_of("train.precision")
+    choice = config.train.precision
+    if ds_choice:
+        ds_src = merged.source_of(f"deepspeed.{ds_choice}.enabled")
+        if train_src.rank > ds_src.rank and choice != "auto":
+            pass  # train.precision set higher: it wins
+        elif train_src.rank == ds_src.rank and choice not in ("auto", ds_choice):
+            problems.append(Problem(f"train.precision={choice} but deepspeed.{ds_choice}.enabled is true",
+                                    ds_src.label, "set only one of them"))
+        else:
+            choice = ds_choice
+            notes["train.precision"] = f"{ds_src.label} (as deepspeed.{ds_choice}.enabled)"
+    if choice == "auto":
+        choice = "bf16" if accelerator == "cuda" else "fp32"
+        notes["train.precision"] = f"auto: {choice} on {accelerator}"
+    return choice
+
+
+def _resolve_batch(config: RunConfig, merged: Merged, world: int, problems: list[Problem],
+                   notes: dict[str, str]) -> None:
+    train = config.train
+    micro, accum, glob = train.micro_batch_size, train.grad_accum_steps, train.global_batch_size
+    if glob is None:
+        train.global_batch_size = micro * accum * world
+        notes["train.global_batch_size"] = f"derived: micro {micro} x accum {accum} x world {world}"
+        return
+    if micro * accum * world == glob:
+        return
+
+    def src(path: str, spelled: str) -> Source:
+        return merged.source_of(path) if path not in notes else Source(merged.source_of(spelled).rank, notes[path])
+
+    glob_src = src("train.global_batch_size", "deepspeed.train_batch_size")
+    accum_src = src("train.grad_accum_steps", "deepspeed.gradient_accumulation_steps")
+    micro_src = src("train.micro_batch_size", "deepspeed.train_micro_batch_size_per_gpu")
+    if accum_src.rank < glob_src.rank and glob % (micro * world) == 0:
+        train.grad_accum_steps = glob // (micro * world)
+        notes["train.grad_accum_steps"] = f"derived: global {glob} / (micro {micro} x world {world})"
+        return
+    ok = [a for a in range(1, glob + 1) if glob % (micro * world * a) == 0 and micro * world * a == glob]
+    fix = (f"set train.grad_accum_steps={ok[0]}" if ok else
+           f"choose a global batch divisible by micro x world = {micro * world}, or leave it unset")
+    problems.append(Problem(
+        f"global batch {glob} ({glob_src.label}) != micro batch {micro} ({micro_src.label}) x grad accum "
+        f"{accum} ({accum_src.label}) x world size {world} = {micro * accum * world}",
+        "train.global_batch_size / deepspeed.train_batch_size", fix))
+
+
+def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: list[Problem]) -> dict[str, Any]:
+    """The explicit DeepSpeed config: batch keys, precision, optimizer, scheduler; no "auto" left."""
+    train = config.train
+    ds = copy.deepcopy(merged.data["deepspeed"])
+    ds["train_micro_batch_size_per_gpu"] = train.micro_batch_size
+    ds["gradient_accumulation_steps"] = train.grad_accum_steps
+    ds["train_batch_size"] = train.global_batch_size
+    ds["gradient_clipping"] = train.grad_clip
+
+    for name in ("fp16", "bf16"):
+        section = ds.get(name) if isinstance(ds.get(name), dict) else {}
+        section["enabled"] = train.precision == name
+        ds[name] = section
+    if train.precision != "fp16":
+        ds.pop("fp16") if ds["fp16"] == {"enabled": False} else None
+    if train.precision != "bf16" and ds.get("bf16") == {"enabled": False}:
+        ds.pop("bf16")
+
+    adam_params = {"lr": train.lr, "betas": list(train.betas), "eps": train.eps, "weight_decay": train.weight_decay}
+    if "optimizer" not in ds:
+        ds["optimizer"] = {"type": OPTIMIZER_TYPES[train.optimizer], "params": adam_params}
+        notes["deepspeed.optimizer"] = "dstrain: from train.optimizer and train.lr/betas/eps/weight_decay"
+    else:
+        params = ds["optimizer"].setdefault("params", {})
+        for key, value in adam_params.items():
+            if key in params or key == "lr":
+                params[key] = value
+
+    warmup = min(train.warmup_steps, train.max_steps - 1)
+    scheduler_autos = {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr, "warmup_num_steps": warmup,
+                       "total_num_steps": train.max_steps}
+    if "scheduler" not in ds:
+        if train.schedule == "cosine":
+            ds["scheduler"] = {"type": "WarmupCosineLR", "params": {
+                "total_num_steps": train.max_steps, "warmup_num_steps": warmup, "warmup_min_ratio": 0.0,
+                "cos_min_ratio": train.min_lr_ratio, "warmup_type": "linear"}}
+        elif train.schedule == "linear":
+            ds["scheduler"] = {"type": "WarmupDecayLR", "params": {**scheduler_autos, "warmup_type": "linear"}}
+        else:
+            ds["scheduler"] = {"type": "WarmupLR", "params": {
+                k: scheduler_autos[k] for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps")}}
+        notes["deepspeed.scheduler"] = "dstrain: from train.schedule, lr, warmup_steps, max_steps"
+    elif isinstance(ds["scheduler"].get("params"), dict):
+        for key, value in ds["scheduler"]["params"].items():
+            if value == AUTO and key in scheduler_autos:
+                ds["scheduler"]["params"][key] = scheduler_autos[key]
+
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, dict):
+        width = config.model.d_model
+        zero_autos = {"reduce_bucket_size": width * width, "stage3_prefetch_bucket_size": int(0.9 * width * width),
+                      "stage3_param_persistence_threshold": 10 * width}
+        for key, value in list(zero.items()):
+            if value == AUTO and key in zero_autos:
+                zero[key] = zero_autos[key]
+                notes[f"deepspeed.zero_optimization.{key}"] = f"auto: from model.d_model={width}"
+
+    _integral_floats_to_int(ds)
+    for path, value in flatten(ds).items():
+        if value == AUTO:
+            problems.append(Problem("dstrain cannot fill in 'auto' for this key", _where(merged, f"deepspeed.{path}"),
+                                    "set an explicit value (or remove the key to use DeepSpeed's default)"))
+    return ds
+
+
+def _integral_floats_to_int(node: dict) -> None:
+    """JSON/YAML give 1e9 as a float; DeepSpeed's sizes are element counts, so write them as ints."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            _integral_floats_to_int(value)
+        elif isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
+            node[key] = int(value)
+
+
+def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Problem]) -> None:
+    zero = ds.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        return
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        problems.append(Problem(f"ZeRO stage must be 0, 1, 2 or 3 (got {stage!r})",
+                                _where(merged, "deepspeed.zero_optimization.stage"), "e.g. stage: 2"))
+        return
+    for part in ("offload_optimizer", "offload_param"):
+        section = zero.get(part)
+        if section is None:
+            continue
+        where = _where(merged, f"deepspeed.zero_optimization.{part}")
+        if not isinstance(section, dict):
+            problems.append(Problem("must be a mapping", where, "e.g. {device: cpu}"))
+            continue
+        device = section.get("device", "none")
+        if device not in ("none", "cpu", "nvme"):
+            problems.append(Problem(f"device must be none, cpu or nvme (got {device!r})", where + ".device",
+                                    "e.g. device: cpu"))
+        if device == "nvme" and not section.get("nvme_path"):
+            problems.append(Problem("NVMe offload needs a path", where + ".nvme_path",
+                                    f"--set deepspeed.zero_optimization.{part}.nvme_path=/local_nvme/dstrain"))
+        if part == "offload_param" and device != "none" and stage != 3:
+            problems.append(Problem(f"offload_param works only with ZeRO stage 3 (stage is {stage})", where,
+                                    "set deepspeed.zero_optimization.stage=3, or use offload_optimizer instead"))
+        if part == "offload_optimizer" and device != "none" and stage == 0:
+            problems.append(Problem("offload_optimizer needs ZeRO stage 1, 2 or 3", where,
+                                    "set deepspeed.zero_optimization.stage=2"))
+
+
+def redact(value: Any) -> Any:
+    """A copy with secrets (API keys, tokens, passwords) replaced, for printing and saving."""
+    if isinstance(value, dict):
+        return {k: (REDACTED if SECRET_KEY.search(str(k)) and isinstance(v, str) and v else redact(v))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    return value

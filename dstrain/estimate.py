@@ -1,0 +1,638 @@
+"""Memory arithmetic for each ZeRO preset: GPU, host RAM and NVMe, before anything is launched.
+
+`dstrain estimate` runs `estimate_one` for every preset (fastest first: stage1, stage2,
+stage2_offload, stage3, stage3_offload, stage3_nvme) and `recommend` picks the fastest that
+fits. Everything here is plain arithmetic on dataclasses: importing this module never imports
+torch or deepspeed (only `detect_hardware` and `count_model` import torch, lazily), so the
+estimate runs on a laptop.
+
+Notation: P parameters, N = gpus_per_node * nodes data-parallel ranks, n = P / N (one rank's
+partition), L = parameters of the largest single module, w = bytes of one low-precision
+element (2 for bf16/fp16, 4 for fp32). All figures are bytes.
+
+Model states, per rank (sources below):
+
+    term (mixed precision)          stage 0   stage 1   stage 2   stage 3   where it lives
+    16-bit params                   2P        2P        2P        2n        GPU; host / NVMe with offload_param
+    16-bit grads                    2P        2P        2n        2n        GPU; none with offload_optimizer (stage >= 2)
+    fp32 grad partition             4P        4n        4n        4n        GPU; host / NVMe with offload_optimizer
+    fp32 master + Adam m, v         12P       12n       12n       12n       GPU; host / NVMe with offload_optimizer
+
+- ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models", sec. 5 / fig. 1), mixed-precision Adam, K = 12:
+  stage 1 = 4P + 12P/N, stage 2 = 2P + 14P/N, stage 3 = 16P/N.
+- DeepSpeed also keeps an fp32 copy of the gradient partition for the optimizer step
+  (`single_partition_of_fp32_groups[i].grad` in stage_1_and_2.py, `fp32_partitioned_groups_flat
+  [i].grad` in stage3.py). Its own estimators count it: `estimate_zero2_model_states_mem_needs`
+  gives 2P + 18P/N and `estimate_zero3_model_states_mem_needs` gives 18P/N + 4L on the GPU
+  ("2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit + 8_optimizer_states").
+  We count it too, so our stage 1/2/3 figures are the paper's plus 4P/N, and match DeepSpeed's
+  estimators exactly where they overlap (they have no stage 1 estimator).
+- fp32 training (neither bf16 nor fp16 enabled): params and grads take 4 bytes; DeepSpeed still
+  clones an fp32 master partition (`.detach().clone().to(master dtype)`), so the optimizer term
+  stays 12 bytes, while the gradients are already fp32 so the fp32-grad copy disappears:
+  stage 1 = 8P + 12P/N, stage 2 = 4P + 16P/N, stage 3 = 20P/N.
+
+Offload (DeepSpeed's estimators, same files):
+- offload_optimizer=cpu moves the fp32 grad partition, master and Adam states to the host:
+  16 bytes per parameter per node's share (16P / nodes); stage 3 with offload_param=cpu adds the
+  16-bit partition: 18P / nodes. ZeRO-2 offload also pins a 16-bit staging copy of each partition
+  (`param_buffer_of_bit16_for_cpu_offload_groups`, which DeepSpeed's estimator leaves out): 18P too.
+  Host model states are multiplied by DeepSpeed's `additional_buffer_factor` = 1.5 (pinned
+  allocations and fragmentation).
+- While building the model, every rank holds a full fp32 copy on the host (4P per rank) unless
+  stage 3 builds under `deepspeed.zero.Init` (then about one module at a time: 4L per rank).
+  DeepSpeed's estimators count this as `4 * gpus_per_node * P * 1.5`; it is freed before the
+  optimizer states exist, so host = runtime + max(model build, steady state).
+- NVMe (stage3_nvme): the optimizer terms (4n + 12n) and, with offload_param=nvme, the 16-bit
+  partition (wn) live in swap files; the host keeps pinned swap buffers: `buffer_count` buffers of
+  the largest optimizer sub-group (min(sub_group_size, n) fp32 elements) and `buffer_count *
+  buffer_size` 16-bit elements for parameters, plus up to `max_in_cpu` parameters cached in RAM
+  (deepspeed/runtime/swap_tensor/*, stage3.py `_create_param_groups_fp16_flat_cpu_memory`).
+
+Working buffers on the GPU:
+- stage 3 gathers whole modules before use: 4L (16-bit params + grads of the largest layer,
+  DeepSpeed's `largest_layer_memory`), plus more gathered parameters kept live up to
+  `stage3_max_live_parameters` (prefetched parameters count towards that limit, so
+  `stage3_prefetch_bucket_size` adds nothing on top). Small persistent parameters
+  (`stage3_param_persistence_threshold`) are a few MB for a GPT and are not counted.
+- gradient reduction buckets with contiguous_gradients: `reduce_bucket_size` elements of w bytes,
+  two of them for stage 1/2 with overlap_comm (stage_1_and_2.py `setup_buckets`), one for stage 3.
+- a fixed runtime overhead: CUDA context, cuBLAS workspaces, NCCL communicators and allocator
+  slack, counted as GPU_RUNTIME_OVERHEAD_BYTES = 1 GiB (observed 0.5-1.5 GiB on A100/H100).
+
+Activations per GPU, GPT block with hidden size h, a heads, sequence s, micro batch b
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+eq. 1, no tensor/sequence parallelism): s*b*h*(34 + 5*a*s/h) bytes per layer in 16 bit.
+- The 5*a*s^2*b part is the attention score matrix. We assume flash / SDPA attention by default
+  (scores are recomputed in backward; only a logsumexp of 4*a*s*b bytes is kept), so it is dropped;
+  `Workload.flash_attention=False` brings it back.
+- The 34*s*b*h keeps ~2*s*b*h of dropout masks that vanish with dropout 0: a small overestimate.
+- fp32 doubles it.
+- Activation checkpointing keeps only each block's input (2*s*b*h per layer, moved to host with
+  cpu_checkpointing) plus one block's full activations while it is recomputed.
+- The logits: b*s*vocab*4 bytes (the fp32 logits the loss keeps for backward).
+
+Fits: GPU bytes <= 90% of GPU memory (GPU_HEADROOM, for fragmentation and the transient peaks
+not modelled), host bytes <= host RAM, NVMe bytes <= `Hardware.nvme_free_bytes` when known.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from dstrain.errors import Problem, UserError
+
+GiB = 1024**3
+
+PRESET_ORDER = ("stage1", "stage2", "stage2_offload", "stage3", "stage3_offload", "stage3_nvme")
+"""The shipped presets, fastest first (and most memory-frugal last)."""
+
+GPU_HEADROOM = 0.9
+"""Fraction of GPU memory a preset may plan to use: fragmentation and transient peaks take the rest."""
+
+GPU_RUNTIME_OVERHEAD_BYTES = 1 * GiB
+"""CUDA context, library workspaces, NCCL communicators: present before the first tensor."""
+
+HOST_RUNTIME_BYTES_PER_RANK = 2 * GiB
+"""Resident memory of one rank's Python + torch + CUDA/NCCL libraries, before any model (rough)."""
+
+HOST_BUFFER_FACTOR = 1.5
+"""DeepSpeed's `additional_buffer_factor` for host-side model states (pinned memory, fragmentation)."""
+
+BUILD_BYTES_PER_PARAM = 4
+"""A model is built in fp32 on the host before DeepSpeed casts and moves it (PyTorch default dtype)."""
+
+ADAM_FP32_BYTES_PER_PARAM = 12
+"""fp32 master weights + Adam momentum + variance (ZeRO paper's K = 12)."""
+
+FP32_GRAD_BYTES_PER_PARAM = 4
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass
+class Hardware:
+    """What the job runs on."""
+
+    gpus_per_node: int
+    nodes: int
+    gpu_mem_bytes: int
+    """Memory of one GPU (the smallest, if they differ)."""
+    cpu_mem_bytes: int
+    """Host RAM of one node."""
+    nvme_free_bytes: int | None = None
+    """Free space at each node's nvme_path; None = unknown, NVMe is then assumed to fit."""
+    accelerator: str = "cuda"
+    """"cuda", or "cpu" when DeepSpeed's CPU accelerator runs the ranks in host RAM."""
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass
+class Workload:
+    """The model and batch being trained: what the memory depends on besides the ZeRO placement."""
+
+    params: int
+    largest_layer_params: int
+    """Direct parameters of the largest single module (the embedding, in most GPTs)."""
+    n_layer: int
+    d_model: int
+    n_head: int
+    seq_len: int
+    micro_batch: int
+    """Sequences per GPU per forward pass."""
+    activation_checkpointing: bool
+    cpu_checkpointing: bool
+    """Checkpointed block inputs go to host RAM (DeepSpeed activation checkpointing)."""
+    precision: str
+    """"bf16", "fp16" or "fp32"; a DeepSpeed config's own bf16/fp16 section takes precedence."""
+    vocab_size: int = 50257
+    """For the logits term; GPT-2's vocabulary by default."""
+    flash_attention: bool = True
+    """Attention via SDPA/flash: the s^2 score matrix is not stored."""
+    zero_init: bool = True
+    """Stage 3 builds the model under deepspeed.zero.Init (partitioned as it is built)."""
+
+
+@dataclass
+class Placement:
+    """Where ZeRO puts the model states, and the buffer sizes that matter for memory.
+
+    Defaults are DeepSpeed's own (deepspeed/runtime/zero/config.py, offload_config.py).
+    """
+
+    stage: int
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    """Honoured by stage 3 only, as in DeepSpeed."""
+    precision: str | None = None
+    """From the DeepSpeed config's bf16/fp16 sections; None = use Workload.precision."""
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    """All-gathers run in place on the 16-bit buffer: recorded, adds no memory here."""
+    overlap_comm: bool | None = None
+    """None = DeepSpeed's default: on for stage 3, off otherwise."""
+    contiguous_gradients: bool = True
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    sub_group_size: int = 1_000_000_000
+    optimizer_buffer_count: int = 4
+    """offload_optimizer.buffer_count: pinned swap buffers for NVMe."""
+    param_buffer_count: int = 5
+    """offload_param.buffer_count."""
+    param_buffer_size: int = 100_000_000
+    """offload_param.buffer_size, in elements."""
+    param_max_in_cpu: int = 1_000_000_000
+    """offload_param.max_in_cpu: parameters cached in host RAM with NVMe offload."""
+
+
+@dataclass
+class PresetEstimate:
+    """Memory needs of one preset. `*_breakdown` maps group -> term -> bytes, where the groups
+    are "model_states", "buffers", "activations", "runtime" (and "model_build" on the host)."""
+
+    name: str
+    placement: Placement
+    gpu_bytes_per_gpu: int
+    cpu_bytes_per_node: int
+    nvme_bytes: int
+    """Per node (each node swaps to its own nvme_path)."""
+    activation_bytes_per_gpu: int
+    model_state_bytes_per_gpu: int
+    buffer_bytes_per_gpu: int
+    fits: bool
+    why: str
+    """What does not fit, or, when it fits, the tightest resource."""
+    gpu_breakdown: dict[str, dict[str, int]] = field(default_factory=dict)
+    cpu_breakdown: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per node. Total = runtime + max(model_build, everything else)."""
+    nvme_breakdown: dict[str, dict[str, int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- DeepSpeed config
+
+
+def placement_from_ds_config(ds: dict) -> Placement:
+    """Read the ZeRO placement from a rendered DeepSpeed config dict.
+
+    Absent keys take DeepSpeed's defaults (the `Placement` defaults). Raises UserError listing
+    every key whose value cannot be used (e.g. "auto", an unknown offload device).
+    """
+    problems: list[Problem] = []
+    zero = ds.get("zero_optimization") or {}
+
+    def number(section: dict, keys: tuple[str, ...], path: str, default: int) -> int:
+        for key in keys:
+            if key in section:
+                value = section[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    problems.append(Problem(f"{value!r} is not a non-negative number", f"{path}.{key}",
+                                            "set a number of elements; the estimate needs concrete sizes"))
+                    return default
+                return int(value)
+        return default
+
+    def device(section: dict | None, path: str) -> str:
+        if not section:
+            return "none"
+        value = str(section.get("device") or "none").lower()
+        if value not in DEVICES:
+            problems.append(Problem(f"unknown offload device {value!r}", f"{path}.device",
+                                    "use one of: none, cpu, nvme"))
+            return "none"
+        return value
+
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        problems.append(Problem(f"ZeRO stage {stage!r} is not 0, 1, 2 or 3", "zero_optimization.stage"))
+        stage = 0
+
+    opt_section = zero.get("offload_optimizer")
+    param_section = zero.get("offload_param")
+    offload_optimizer = device(opt_section, "zero_optimization.offload_optimizer")
+    offload_param = device(param_section, "zero_optimization.offload_param")
+    # Deprecated spellings DeepSpeed still accepts.
+    if zero.get("cpu_offload") and offload_optimizer == "none":
+        offload_optimizer = "cpu"
+    if zero.get("cpu_offload_param") and offload_param == "none":
+        offload_param = "cpu"
+
+    bf16 = ds.get("bf16", ds.get("bfloat16")) or {}
+    fp16 = ds.get("fp16") or {}
+    precision = "bf16" if bf16.get("enabled") else "fp16" if fp16.get("enabled") else "fp32"
+
+    overlap = zero.get("overlap_comm")
+    defaults = Placement(stage=stage)
+    z = "zero_optimization"
+    opt_section = opt_section or {}
+    param_section = param_section or {}
+    placement = Placement(
+        stage=stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        precision=precision,
+        reduce_bucket_size=number(zero, ("reduce_bucket_size",), z, defaults.reduce_bucket_size),
+        allgather_bucket_size=number(zero, ("allgather_bucket_size",), z, defaults.allgather_bucket_size),
+        overlap_comm=None if overlap is None else bool(overlap),
+        contiguous_gradients=bool(zero.get("contiguous_gradients", defaults.contiguous_gradients)),
+        stage3_max_live_parameters=number(zero, ("stage3_max_live_parameters", "max_live_parameters"), z,
+                                          defaults.stage3_max_live_parameters),
+        stage3_prefetch_bucket_size=number(zero, ("stage3_prefetch_bucket_size", "prefetch_bucket_size"), z,
+                                           defaults.stage3_prefetch_bucket_size),
+        sub_group_size=number(zero, ("sub_group_size",), z, defaults.sub_group_size),
+        optimizer_buffer_count=number(opt_section, ("buffer_count",), f"{z}.offload_optimizer",
+                                      defaults.optimizer_buffer_count),
+        param_buffer_count=number(param_section, ("buffer_count",), f"{z}.offload_param",
+                                  defaults.param_buffer_count),
+        param_buffer_size=number(param_section, ("buffer_size",), f"{z}.offload_param",
+                                 defaults.param_buffer_size),
+        param_max_in_cpu=number(param_section, ("max_in_cpu",), f"{z}.offload_param", defaults.param_max_in_cpu),
+    )
+    if problems:
+        raise UserError(problems)
+    return placement
+
+
+# --------------------------------------------------------------------------- the arithmetic
+
+
+def _check_inputs(placement: Placement, work: Workload, hw: Hardware) -> None:
+    problems: list[Problem] = []
+    for name in ("params", "n_layer", "d_model", "n_head", "seq_len", "micro_batch", "vocab_size"):
+        if getattr(work, name) <= 0:
+            problems.append(Problem(f"must be positive, got {getattr(work, name)}", f"workload.{name}"))
+    if not 0 <= work.largest_layer_params <= work.params:
+        problems.append(Problem(f"must be between 0 and params ({work.params}), got {work.largest_layer_params}",
+                                "workload.largest_layer_params"))
+    if work.precision not in PRECISIONS:
+        problems.append(Problem(f"unknown precision {work.precision!r}", "workload.precision",
+                                "use one of: " + ", ".join(PRECISIONS)))
+    for name in ("gpus_per_node", "nodes", "gpu_mem_bytes", "cpu_mem_bytes"):
+        if getattr(hw, name) <= 0:
+            problems.append(Problem(f"must be positive, got {getattr(hw, name)}", f"hardware.{name}"))
+    if placement.stage not in (0, 1, 2, 3):
+        problems.append(Problem(f"ZeRO stage {placement.stage!r} is not 0, 1, 2 or 3", "placement.stage"))
+    for name in ("offload_optimizer", "offload_param"):
+        if getattr(placement, name) not in DEVICES:
+            problems.append(Problem(f"unknown device {getattr(placement, name)!r}", f"placement.{name}",
+                                    "use one of: " + ", ".join(DEVICES)))
+    if problems:
+        raise UserError(problems)
+
+
+def _activations(work: Workload, low_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Activation bytes per GPU and per rank on the host (Korthikanti et al. 2022, see module doc)."""
+    s, b, h, a = work.seq_len, work.micro_batch, work.d_model, work.n_head
+    scale = low_bytes / 2  # the formula is in 16-bit bytes; fp32 doubles it
+    per_layer = 34 * s * b * h
+    if not work.flash_attention:
+        per_layer += 5 * a * s * s * b
+    per_layer = int(per_layer * scale)
+    logits = b * s * work.vocab_size * 4
+    gpu: dict[str, int] = {}
+    host: dict[str, int] = {}
+    if work.activation_checkpointing:
+        block_inputs = int(2 * s * b * h * scale) * work.n_layer
+        (host if work.cpu_checkpointing else gpu)["checkpointed_block_inputs"] = block_inputs
+        gpu["recomputed_block"] = per_layer
+    else:
+        gpu["all_blocks"] = per_layer * work.n_layer
+    gpu["logits"] = logits
+    return gpu, host
+
+
+def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) -> PresetEstimate:
+    """Estimate GPU (per GPU), host (per node) and NVMe (per node) bytes for one placement."""
+    _check_inputs(placement, work, hw)
+    notes: list[str] = []
+    precision = placement.precision or work.precision
+    w = 2 if precision in ("bf16", "fp16") else 4
+    mixed = w == 2
+    stage = placement.stage
+    P, L = work.params, work.largest_layer_params
+    N = hw.total_gpus
+    n = -(-P // N)  # one rank's partition, rounded up
+    opt_dev = placement.offload_optimizer
+    param_dev = placement.offload_param if stage == 3 else "none"
+    if placement.offload_param != "none" and stage != 3:
+        notes.append(f"offload_param={placement.offload_param} ignored: DeepSpeed offloads parameters in stage 3 only")
+    if opt_dev == "nvme" and stage != 3:
+        notes.append("offload_optimizer=nvme needs stage 3 in DeepSpeed; estimated as if it ran")
+
+    # Per-rank model states, by device: {"gpu": {...}, "cpu": {...}, "nvme": {...}}.
+    states: dict[str, dict[str, int]] = {"gpu": {}, "cpu": {}, "nvme": {}}
+    opt_numel = n if stage >= 1 else P
+
+    # 16-bit (or fp32) parameters.
+    if param_dev == "none":
+        states["gpu"]["params"] = w * (n if stage == 3 else P)
+    elif param_dev == "cpu":
+        states["cpu"]["params"] = w * n
+    else:
+        states["nvme"]["params"] = w * n
+        states["cpu"]["params_cached"] = w * min(placement.param_max_in_cpu, n)
+
+    # Low-precision gradients: whole model below stage 2; with an offloaded optimizer, stage 2/3
+    # stream reduced buckets straight to the host instead of keeping a GPU partition.
+    if stage < 2:
+        states["gpu"]["grads"] = w * P
+    elif opt_dev == "none":
+        states["gpu"]["grads"] = w * n
+
+    # fp32 gradient partition + fp32 master + Adam moments: the optimizer's working set.
+    opt_place = "gpu" if opt_dev == "none" else opt_dev
+    if mixed or opt_dev != "none":
+        states[opt_place]["grads_fp32"] = FP32_GRAD_BYTES_PER_PARAM * opt_numel
+    states[opt_place]["optimizer"] = ADAM_FP32_BYTES_PER_PARAM * opt_numel
+    if opt_dev == "cpu" and stage < 3:
+        states["cpu"]["params_staging"] = w * opt_numel  # pinned 16-bit copy for the H2D update
+
+    # GPU working buffers.
+    buffers: dict[str, int] = {}
+    if stage == 3:
+        buffers["stage3_largest_layer"] = 2 * w * L
+        live = min(P, placement.stage3_max_live_parameters)
+        buffers["stage3_live_params"] = w * max(0, live - L)
+    overlap = placement.overlap_comm if placement.overlap_comm is not None else stage == 3
+    if stage >= 1 and placement.contiguous_gradients:
+        count = 2 if overlap and stage < 3 else 1
+        buffers["reduce_buckets"] = count * w * placement.reduce_bucket_size
+
+    # Host swap buffers for NVMe.
+    host_buffers: dict[str, int] = {}
+    if opt_dev == "nvme":
+        host_buffers["optimizer_swap"] = placement.optimizer_buffer_count * 4 * min(placement.sub_group_size, n)
+    if param_dev == "nvme":
+        host_buffers["param_swap"] = placement.param_buffer_count * placement.param_buffer_size * w
+
+    act_gpu, act_host = _activations(work, w)
+    runtime_gpu = GPU_RUNTIME_OVERHEAD_BYTES if hw.accelerator == "cuda" else 0
+
+    gpu_breakdown = {
+        "model_states": states["gpu"],
+        "buffers": buffers,
+        "activations": act_gpu,
+        "runtime": {"cuda_context_nccl": runtime_gpu},
+    }
+    model_state_gpu = sum(states["gpu"].values())
+    buffer_gpu = sum(buffers.values())
+    activation_gpu = sum(act_gpu.values())
+    gpu_total = model_state_gpu + buffer_gpu + activation_gpu + runtime_gpu
+
+    # Host, per node: runtime + max(model build, steady state).
+    g = hw.gpus_per_node
+    build_numel = L if (stage == 3 and work.zero_init) else P
+    cpu_breakdown = {
+        "model_states": {k: int(v * g * HOST_BUFFER_FACTOR) for k, v in states["cpu"].items()},
+        "buffers": {k: v * g for k, v in host_buffers.items()},
+        "activations": {k: v * g for k, v in act_host.items()},
+        "model_build": {"fp32_model_per_rank": int(BUILD_BYTES_PER_PARAM * build_numel * g * HOST_BUFFER_FACTOR)},
+        "runtime": {"rank_processes": HOST_RUNTIME_BYTES_PER_RANK * g},
+    }
+    steady = sum(sum(cpu_breakdown[k].values()) for k in ("model_states", "buffers", "activations"))
+    build = sum(cpu_breakdown["model_build"].values())
+    cpu_total = sum(cpu_breakdown["runtime"].values()) + max(build, steady)
+
+    nvme_breakdown = {"model_states": {k: v * g for k, v in states["nvme"].items()}}
+    nvme_total = sum(nvme_breakdown["model_states"].values())
+
+    fits, why = _judge(gpu_total, cpu_total, nvme_total, hw)
+    if nvme_total and hw.nvme_free_bytes is None:
+        notes.append("NVMe free space unknown: assumed to fit")
+    return PresetEstimate(
+        name=name,
+        placement=placement,
+        gpu_bytes_per_gpu=gpu_total,
+        cpu_bytes_per_node=cpu_total,
+        nvme_bytes=nvme_total,
+        activation_bytes_per_gpu=activation_gpu,
+        model_state_bytes_per_gpu=model_state_gpu,
+        buffer_bytes_per_gpu=buffer_gpu,
+        fits=fits,
+        why=why,
+        gpu_breakdown=gpu_breakdown,
+        cpu_breakdown=cpu_breakdown,
+        nvme_breakdown=nvme_breakdown,
+        notes=notes,
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _judge(gpu: int, cpu: int, nvme: int, hw: Hardware) -> tuple[bool, str]:
+    """Does it fit, and why (the failing resources, else the tightest one)."""
+    # (label, need, have): with the CPU accelerator the "GPUs" are ranks in host RAM,
+    # so both needs come out of the same memory.
+    checks: list[tuple[str, int, float]] = []
+    if hw.accelerator == "cpu":
+        checks.append(("host RAM (ranks + host side)", gpu * hw.gpus_per_node + cpu, hw.cpu_mem_bytes))
+    else:
+        checks.append((f"GPU ({GPU_HEADROOM:.0%} of {_gib(hw.gpu_mem_bytes)})", gpu, hw.gpu_mem_bytes * GPU_HEADROOM))
+        checks.append(("host RAM", cpu, hw.cpu_mem_bytes))
+    if nvme and hw.nvme_free_bytes is not None:
+        checks.append(("NVMe", nvme, hw.nvme_free_bytes))
+    failing = [c for c in checks if c[1] > c[2]]
+    if failing:
+        return False, "; ".join(f"{label} needs {_gib(need)} > {_gib(have)}" for label, need, have in failing)
+    label, need, have = max(checks, key=lambda c: c[1] / c[2])
+    return True, f"tightest: {label} {_gib(need)} of {_gib(have)} ({need / have:.0%})"
+
+
+def estimate_presets(rendered: dict[str, dict], work: Workload, hw: Hardware) -> list[PresetEstimate]:
+    """Estimate each {preset name: rendered DeepSpeed config}, keeping the given (fastest-first) order."""
+    return [estimate_one(name, placement_from_ds_config(ds), work, hw) for name, ds in rendered.items()]
+
+
+def recommend(estimates: list[PresetEstimate]) -> tuple[str | None, str]:
+    """The first estimate that fits (the list is fastest first), with the reason; None if none fits."""
+    if not estimates:
+        return None, "no presets to compare"
+    for i, est in enumerate(estimates):
+        if est.fits:
+            reason = f"{est.name} is the fastest preset that fits ({est.why})"
+            if i:
+                reason += "; faster presets do not: " + "; ".join(f"{e.name}: {e.why}" for e in estimates[:i])
+            return est.name, reason
+    last = estimates[-1]
+    reason = (f"no preset fits; the most frugal, {last.name}: {last.why}. "
+              "Use more GPUs or nodes, a smaller micro_batch or seq_len")
+    if any(e.activation_bytes_per_gpu > e.model_state_bytes_per_gpu for e in estimates):
+        reason += ", or activation checkpointing (activations dominate)"
+    return None, reason + "."
+
+
+# --------------------------------------------------------------------------- hardware and model
+
+
+def _host_ram_bytes() -> int:
+    """MemTotal from /proc/meminfo; the sysconf page count elsewhere."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def detect_hardware() -> Hardware:
+    """This node's hardware. nodes is always 1: pass --nodes for a multi-node job.
+
+    With CUDA: every visible GPU, and the smallest one's memory. Without: DeepSpeed's CPU
+    accelerator view, one rank per node whose "GPU memory" is host RAM (accelerator="cpu";
+    `estimate_one` then checks the ranks' and the host-side bytes together against host RAM).
+    """
+    import torch
+
+    host = _host_ram_bytes()
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        count = torch.cuda.device_count()
+        mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+        return Hardware(gpus_per_node=count, nodes=1, gpu_mem_bytes=mem, cpu_mem_bytes=host)
+    return Hardware(gpus_per_node=1, nodes=1, gpu_mem_bytes=host, cpu_mem_bytes=host, accelerator="cpu")
+
+
+def count_model(build_fn: Callable[[], Any]) -> tuple[int, int]:
+    """(total parameters, largest single module's direct parameters) of `build_fn()`, built on the
+    meta device so no storage is allocated. Shared (tied) parameters count once."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_fn()
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return total, largest
+
+
+# --------------------------------------------------------------------------- output
+
+
+def to_json(estimates: list[PresetEstimate], recommended: str | None, reason: str, hw: Hardware,
+            work: Workload) -> dict:
+    """A JSON-serialisable report: presets, recommendation, hardware, workload, assumptions."""
+    presets = []
+    for e in estimates:
+        presets.append({
+            "name": e.name,
+            "gpu_bytes_per_gpu": e.gpu_bytes_per_gpu,
+            "cpu_bytes_per_node": e.cpu_bytes_per_node,
+            "nvme_bytes": e.nvme_bytes,
+            "fits": e.fits,
+            "why": e.why,
+            "recommended": e.name == recommended,
+            "model_state_bytes_per_gpu": e.model_state_bytes_per_gpu,
+            "buffer_bytes_per_gpu": e.buffer_bytes_per_gpu,
+            "activation_bytes_per_gpu": e.activation_bytes_per_gpu,
+            "placement": asdict(e.placement),
+            "gpu_breakdown": e.gpu_breakdown,
+            "cpu_breakdown": e.cpu_breakdown,
+            "nvme_breakdown": e.nvme_breakdown,
+            "notes": list(e.notes),
+        })
+    return {
+        "presets": presets,
+        "recommended": recommended,
+        "reason": reason,
+        "hardware": asdict(hw),
+        "workload": asdict(work),
+        "assumptions": {
+            "gpu_headroom": GPU_HEADROOM,
+            "gpu_runtime_overhead_bytes": GPU_RUNTIME_OVERHEAD_BYTES,
+            "host_runtime_bytes_per_rank": HOST_RUNTIME_BYTES_PER_RANK,
+            "host_buffer_factor": HOST_BUFFER_FACTOR,
+            "attention": "flash/SDPA (no s^2 scores stored)" if work.flash_attention else "eager (s^2 scores stored)",
+        },
+    }
+
+
+def render(estimates: list[PresetEstimate], recommended: str | None, reason: str, hw: Hardware,
+           work: Workload, console) -> None:
+    """Print the estimate as a rich table (GiB, 1 decimal) with the recommendation below it."""
+    from rich.table import Table
+
+    def gib(n: int) -> str:
+        return f"{n / GiB:.1f}"
+
+    kind = "GPU" if hw.accelerator == "cuda" else "CPU rank"
+    console.print(
+        f"{work.params / 1e9:.2f}B params (largest layer {work.largest_layer_params / 1e6:.0f}M), "
+        f"{work.precision}, micro_batch {work.micro_batch} x seq_len {work.seq_len}, "
+        f"activation checkpointing {'on' if work.activation_checkpointing else 'off'}"
+        f"{' (to CPU)' if work.activation_checkpointing and work.cpu_checkpointing else ''}")
+    console.print(
+        f"{hw.nodes} node(s) x {hw.gpus_per_node} {kind}(s) x {gib(hw.gpu_mem_bytes)} GiB, "
+        f"host RAM {gib(hw.cpu_mem_bytes)} GiB per node; a GPU may use {GPU_HEADROOM:.0%}")
+    table = Table(title="Memory per preset (GiB)")
+    table.add_column("preset")
+    table.add_column("ZeRO")
+    table.add_column("offload opt/param")
+    for header in ("GPU / GPU", "states", "buffers", "activations", "host / node", "NVMe / node"):
+        table.add_column(header, justify="right")
+    table.add_column("fits", justify="center")
+    for e in estimates:
+        p = e.placement
+        table.add_row(
+            e.name, str(p.stage), f"{p.offload_optimizer}/{p.offload_param}",
+            gib(e.gpu_bytes_per_gpu), gib(e.model_state_bytes_per_gpu), gib(e.buffer_bytes_per_gpu),
+            gib(e.activation_bytes_per_gpu), gib(e.cpu_bytes_per_node), gib(e.nvme_bytes),
+            "[green]✓[/green]" if e.fits else "[red]✗[/red]",
+            style="bold green" if e.name == recommended else None,
+        )
+    console.print(table)
+    for e in estimates:
+        for note in e.notes:
+            console.print(f"[dim]{e.name}: {note}[/dim]")
+    if recommended:
+        console.print(f"[bold green]recommended: {recommended}[/bold green] — {reason}")
+    else:
+        console.print(f"[bold red]nothing fits[/bold red] — {reason}")

@@ -1,0 +1,77 @@
+"""Printing presets and resolved configs for people (rich) and for programs (plain JSON/YAML)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from dstrain.config import presets as preset_files
+from dstrain.config.layers import flatten
+from dstrain.config.resolve import ResolvedConfig, redact
+
+
+def presets(name: str | None) -> None:
+    console = Console(highlight=False)
+    if name:
+        path = preset_files.preset_path(name)
+        console.print(f"[dim]{path}[/]")
+        sys.stdout.write(path.read_text())
+        return
+    table = Table(title="dstrain presets (fastest first; each step down saves memory)", title_justify="left")
+    table.add_column("preset", style="bold")
+    table.add_column("what it trades")
+    for preset in preset_files.available():
+        table.add_row(preset, preset_files.description(preset))
+    console.print(table)
+    console.print("Show one: dstrain presets NAME    Run one: dstrain run --preset NAME")
+
+
+def resolved_config(resolved: ResolvedConfig, *, explain: bool, deepspeed_json: bool) -> None:
+    err = Console(stderr=True, highlight=False)
+    for warning in resolved.warnings:
+        err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    if deepspeed_json:
+        sys.stdout.write(json.dumps(redact(resolved.ds_config), indent=2) + "\n")
+        return
+    data = redact(resolved.config.model_dump(mode="json"))
+    if not explain:
+        sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
+        return
+    table = Table(title=f"resolved config (world size {resolved.world_size}, {resolved.accelerator})",
+                  title_justify="left")
+    table.add_column("key", overflow="fold")
+    table.add_column("value", overflow="fold")
+    table.add_column("set by", style="dim")
+    for path, value in flatten(data).items():
+        table.add_row(path, json.dumps(value), resolved.sources.get(path, "default"))
+    Console(highlight=False).print(table)
+
+
+def plan_lines(resolved: ResolvedConfig, param_count: int | None = None) -> list[str]:
+    """The run plan: batch arithmetic, tokens per step, where states live (printed by run and rank 0)."""
+    cfg = resolved.config
+    t = cfg.train
+    zero = resolved.ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    opt_dev = (zero.get("offload_optimizer") or {}).get("device", "none")
+    par_dev = (zero.get("offload_param") or {}).get("device", "none")
+    device = "GPU" if resolved.accelerator == "cuda" else "CPU rank memory"
+    where_params = par_dev.upper() if par_dev in ("cpu", "nvme") else device
+    where_opt = opt_dev.upper() if opt_dev in ("cpu", "nvme") else device
+    sharded = lambda on: "sharded" if on else "replicated"  # noqa: E731
+    tokens = t.global_batch_size * cfg.data.seq_len
+    lines = [
+        f"preset {resolved.preset or '(none)'}, ZeRO stage {stage}, precision {t.precision}, "
+        f"accelerator {resolved.accelerator}, world size {resolved.world_size}",
+        f"batch: micro {t.micro_batch_size} x grad accum {t.grad_accum_steps} x world {resolved.world_size} "
+        f"= {t.global_batch_size} sequences x {cfg.data.seq_len} tokens = {tokens:,} tokens/step",
+        f"params: {where_params}, {sharded(stage >= 3)}; gradients: {sharded(stage >= 2)}; "
+        f"optimizer states: {where_opt}, {sharded(stage >= 1)}",
+    ]
+    if param_count is not None:
+        lines.append(f"model: {cfg.model.name}, {param_count:,} parameters")
+    return lines
