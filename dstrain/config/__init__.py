@@ -1,0 +1,1 @@
+"""Run configuration: schema, layering, presets and the rendered DeepSpeed JSON."""
