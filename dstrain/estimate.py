@@ -12,32 +12,40 @@ element (2 for bf16/fp16, 4 for fp32). All figures are bytes.
 
 Model states, per rank (sources below):
 
-    term (mixed precision)          stage 0   stage 1   stage 2   stage 3   where it lives
-    16-bit params                   2P        2P        2P        2n        GPU; host / NVMe with offload_param
-    16-bit grads                    2P        2P        2n        2n        GPU; none with offload_optimizer (stage >= 2)
-    fp32 grad partition             4P        4n        4n        4n        GPU; host / NVMe with offload_optimizer
-    fp32 master + Adam m, v         12P       12n       12n       12n       GPU; host / NVMe with offload_optimizer
+    term (bf16/fp16)            stage 0   stage 1   stage 2   stage 3     where it lives
+    16-bit params               2P        2P        2P        2n          GPU; host/NVMe with offload_param (stage 3)
+    16-bit grads                2P        2P        2n        2n          GPU; with offload_optimizer: none (stage 2),
+                                                                          host (stage 3)
+    fp32 grad partition         4P        4n        4n        4*min(n,S)  GPU; host/NVMe with offload_optimizer
+    fp32 master + Adam m, v     12P       12n       12n       12n         GPU; host/NVMe with offload_optimizer
+
+  (S = sub_group_size: stage 3 builds the fp32 gradients one optimizer sub-group at a time.)
 
 - ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
-  Parameter Models", sec. 5 / fig. 1), mixed-precision Adam, K = 12:
+  Parameter Models", figure 1 and sec. 5.1), mixed-precision Adam, K = 12:
   stage 1 = 4P + 12P/N, stage 2 = 2P + 14P/N, stage 3 = 16P/N.
-- DeepSpeed also keeps an fp32 copy of the gradient partition for the optimizer step
-  (`single_partition_of_fp32_groups[i].grad` in stage_1_and_2.py, `fp32_partitioned_groups_flat
-  [i].grad` in stage3.py). Its own estimators count it: `estimate_zero2_model_states_mem_needs`
-  gives 2P + 18P/N and `estimate_zero3_model_states_mem_needs` gives 18P/N + 4L on the GPU
-  ("2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit + 8_optimizer_states").
-  We count it too, so our stage 1/2/3 figures are the paper's plus 4P/N, and match DeepSpeed's
-  estimators exactly where they overlap (they have no stage 1 estimator).
-- fp32 training (neither bf16 nor fp16 enabled): params and grads take 4 bytes; DeepSpeed still
-  clones an fp32 master partition (`.detach().clone().to(master dtype)`), so the optimizer term
-  stays 12 bytes, while the gradients are already fp32 so the fp32-grad copy disappears:
-  stage 1 = 8P + 12P/N, stage 2 = 4P + 16P/N, stage 3 = 20P/N.
+- DeepSpeed also materialises an fp32 copy of each rank's gradient partition for the optimizer
+  step (stage_1_and_2.py: `single_partition_of_fp32_groups[i].grad = flat_grad_partition.to(fp32)`;
+  stage3.py: `_prepare_fp32_grad_for_sub_group`), and ZeRO-3 keeps its 16-bit gradient partition in
+  `grad_partitions_flat_buffer` (dtype = grad_accum_dtype, the model dtype by default). So our
+  figures are the paper's plus 4 bytes per partitioned parameter: stage 1 = 4P + 16P/N,
+  stage 2 = 2P + 18P/N, stage 3 = 20P/N (while n <= sub_group_size).
+- DeepSpeed's `estimate_zero2_model_states_mem_needs` (stage_1_and_2.py) gives the same 2P + 18P/N
+  ("18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit").
+  `estimate_zero3_model_states_mem_needs` (stage3.py) gives 18P/N + 4L: it leaves out one of the
+  two gradient copies, so we are 2P/N above it (about 11%). It has no stage 1 estimator.
+- fp32 training (neither bf16 nor fp16 enabled): params and grads take 4 bytes. DeepSpeed still
+  clones an fp32 master partition (`.detach().clone().to(master dtype)`) and still flattens the
+  gradient partition into a new tensor for the step, so the other terms stay:
+  stage 1 = 8P + 16P/N, stage 2 = 4P + 20P/N, stage 3 = 24P/N.
 
 Offload (DeepSpeed's estimators, same files):
-- offload_optimizer=cpu moves the fp32 grad partition, master and Adam states to the host:
-  16 bytes per parameter per node's share (16P / nodes); stage 3 with offload_param=cpu adds the
-  16-bit partition: 18P / nodes. ZeRO-2 offload also pins a 16-bit staging copy of each partition
-  (`param_buffer_of_bit16_for_cpu_offload_groups`, which DeepSpeed's estimator leaves out): 18P too.
+- offload_optimizer=cpu moves the fp32 grad partition, master and Adam states to the host: 16 bytes
+  per parameter of the node's share, 16P / nodes, as DeepSpeed's estimators say. The code also pins
+  a 16-bit copy of each partition there, which the estimators leave out: ZeRO-2's staging buffer
+  for the updated weights (`param_buffer_of_bit16_for_cpu_offload_groups`) and ZeRO-3's gradient
+  partition (`grad_partitions_flat_buffer`), so we count 18P / nodes; stage 3 with
+  offload_param=cpu adds the 16-bit parameter partition: 20P / nodes (DeepSpeed: 18P).
   Host model states are multiplied by DeepSpeed's `additional_buffer_factor` = 1.5 (pinned
   allocations and fragmentation).
 - While building the model, every rank holds a full fp32 copy on the host (4P per rank) unless
@@ -59,7 +67,7 @@ Working buffers on the GPU:
 - gradient reduction buckets with contiguous_gradients: `reduce_bucket_size` elements of w bytes,
   two of them for stage 1/2 with overlap_comm (stage_1_and_2.py `setup_buckets`), one for stage 3.
 - a fixed runtime overhead: CUDA context, cuBLAS workspaces, NCCL communicators and allocator
-  slack, counted as GPU_RUNTIME_OVERHEAD_BYTES = 1 GiB (observed 0.5-1.5 GiB on A100/H100).
+  slack, counted as GPU_RUNTIME_OVERHEAD_BYTES = 1 GiB (typically 0.5-1.5 GiB per GPU).
 
 Activations per GPU, GPT block with hidden size h, a heads, sequence s, micro batch b
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
@@ -349,12 +357,15 @@ def _activations(work: Workload, low_bytes: int) -> tuple[dict[str, int], dict[s
 
 
 def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) -> PresetEstimate:
-    """Estimate GPU (per GPU), host (per node) and NVMe (per node) bytes for one placement."""
+    """Estimate GPU (per GPU), host (per node) and NVMe (per node) bytes for one placement.
+
+    The placement's precision (from the DeepSpeed config, which is what will run) wins over
+    `work.precision`. Raises UserError for impossible inputs (non-positive sizes, unknown names).
+    """
     _check_inputs(placement, work, hw)
     notes: list[str] = []
     precision = placement.precision or work.precision
     w = 2 if precision in ("bf16", "fp16") else 4
-    mixed = w == 2
     stage = placement.stage
     P, L = work.params, work.largest_layer_params
     N = hw.total_gpus
@@ -379,17 +390,22 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
         states["nvme"]["params"] = w * n
         states["cpu"]["params_cached"] = w * min(placement.param_max_in_cpu, n)
 
-    # Low-precision gradients: whole model below stage 2; with an offloaded optimizer, stage 2/3
-    # stream reduced buckets straight to the host instead of keeping a GPU partition.
+    # Low-precision gradients: the whole model below stage 2. With an offloaded optimizer, stage 2
+    # streams reduced buckets straight into the host fp32 gradients; stage 3 keeps its 16-bit
+    # partition (`grad_partitions_flat_buffer`) on the optimizer's device.
     if stage < 2:
         states["gpu"]["grads"] = w * P
     elif opt_dev == "none":
         states["gpu"]["grads"] = w * n
+    elif stage == 3:
+        states["cpu"]["grads"] = w * n
 
     # fp32 gradient partition + fp32 master + Adam moments: the optimizer's working set.
     opt_place = "gpu" if opt_dev == "none" else opt_dev
-    if mixed or opt_dev != "none":
-        states[opt_place]["grads_fp32"] = FP32_GRAD_BYTES_PER_PARAM * opt_numel
+    grads_fp32_numel = opt_numel
+    if stage == 3 and opt_dev == "none":  # built and dropped one sub-group at a time
+        grads_fp32_numel = min(placement.sub_group_size, n)
+    states[opt_place]["grads_fp32"] = FP32_GRAD_BYTES_PER_PARAM * grads_fp32_numel
     states[opt_place]["optimizer"] = ADAM_FP32_BYTES_PER_PARAM * opt_numel
     if opt_dev == "cpu" and stage < 3:
         states["cpu"]["params_staging"] = w * opt_numel  # pinned 16-bit copy for the H2D update

@@ -76,14 +76,18 @@ def by_name(work: Workload, hw: Hardware) -> dict:
 ])
 def test_model_states_per_gpu_are_close_to_the_zero_paper(preset, paper_bytes):
     est = by_name(LLAMA_7B, node(gpus=8))[preset]
-    # We add DeepSpeed's fp32 gradient partition (4P/N) to the paper's terms: ratio 1.09-1.13.
+    # DeepSpeed allocates 4P/N more than the paper counts: ratios 1.09, 1.13, 1.25.
     assert 0.8 <= est.model_state_bytes_per_gpu / paper_bytes <= 1.6
 
 
-def test_fp32_training_keeps_a_separate_master_copy():
-    est = by_name(gpt(P_7B, 32, 4096, precision="fp32"), node(gpus=8))
+def test_fp32_training_doubles_params_and_grads_but_not_the_optimizer_states():
+    est = by_name(gpt(P_7B, 32, 4096), node(gpus=8))
+    # the presets enable bf16; a config with neither bf16 nor fp16 trains in fp32
+    fp32 = {name: {**ds, "bf16": {"enabled": False}} for name, ds in PRESETS.items()}
+    est32 = {e.name: e for e in estimate_presets(fp32, LLAMA_7B, node(gpus=8))}
     assert est["stage3"].model_state_bytes_per_gpu == pytest.approx(20 * P_7B / 8, rel=1e-6)
-    assert est["stage1"].model_state_bytes_per_gpu == pytest.approx(8 * P_7B + 12 * P_7B / 8, rel=1e-6)
+    assert est32["stage3"].model_state_bytes_per_gpu == pytest.approx(24 * P_7B / 8, rel=1e-6)
+    assert est32["stage1"].model_state_bytes_per_gpu == pytest.approx(8 * P_7B + 16 * P_7B / 8, rel=1e-6)
 
 
 def test_precision_comes_from_the_deepspeed_config_when_it_names_one():
@@ -94,15 +98,17 @@ def test_precision_comes_from_the_deepspeed_config_when_it_names_one():
 
 # (2) DeepSpeed's own estimators
 #
-# GPU: identical formulas (2P + 18P/N for ZeRO-2, 18P/N + 4L for ZeRO-3, and their offload
-# variants): agreement within 1% (only P/N rounding differs).
-# Host: identical for ZeRO-3; for ZeRO-2 offload we also count the pinned 16-bit staging copy of
-# each partition that DeepSpeed allocates but its estimator omits (18 vs 16 bytes/param), so 15%.
-# DeepSpeed's ZeRO-2 host figure charges the fp32 model build for all GPUs of all nodes
-# (4 * total_gpus), ours per node, so the ZeRO-2 host comparison uses one node.
+# We count what DeepSpeed's code allocates, which is never less than its estimators and at most
+# 15% more (MAX_ABOVE_DEEPSPEED). The known differences, each 2 bytes per partitioned parameter:
+# - ZeRO-3 GPU (no offload): the 16-bit gradient partition, which the ZeRO-3 estimator leaves out
+#   (18P/N + 4L there, 20P/N + 4L here; the ZeRO-2 estimator does count it).
+# - Host with offload_optimizer: the pinned 16-bit staging copy (ZeRO-2) or gradient partition
+#   (ZeRO-3) that DeepSpeed allocates beside the fp32 states.
+# Everything else (ZeRO-2 GPU, ZeRO-3 offload GPU, the model-build host peak) is the same formula,
+# within P/N rounding. DeepSpeed's ZeRO-2 host figure charges the fp32 model build for all GPUs of
+# all nodes (4 * total_gpus), ours per node, so the ZeRO-2 host comparison uses one node.
 
-GPU_TOLERANCE = 0.01
-HOST_TOLERANCE = 0.15
+MAX_ABOVE_DEEPSPEED = 1.15
 
 
 def our_model_state_figures(est) -> tuple[int, int]:
@@ -111,6 +117,10 @@ def our_model_state_figures(est) -> tuple[int, int]:
     gpu = est.model_state_bytes_per_gpu + est.gpu_breakdown["buffers"].get("stage3_largest_layer", 0)
     host = max(sum(est.cpu_breakdown["model_build"].values()), sum(est.cpu_breakdown["model_states"].values()))
     return gpu, host
+
+
+def assert_close_above(ours: int, deepspeed: int) -> None:
+    assert deepspeed * 0.999 <= ours <= deepspeed * MAX_ABOVE_DEEPSPEED
 
 
 @pytest.mark.parametrize("gpus", [1, 8])
@@ -122,8 +132,8 @@ def test_zero2_agrees_with_deepspeed_estimator(gpus, offload):
     est = estimate_one("s2", Placement(2, "cpu" if offload else "none", precision="bf16"), LLAMA_7B, hw)
     ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(P_7B, gpus, 1, cpu_offload=offload)
     gpu, host = our_model_state_figures(est)
-    assert gpu == pytest.approx(ds_gpu, rel=GPU_TOLERANCE)
-    assert host == pytest.approx(ds_cpu, rel=HOST_TOLERANCE)
+    assert_close_above(gpu, ds_gpu)
+    assert_close_above(host, ds_cpu)
 
 
 @pytest.mark.parametrize("gpus, nodes", [(8, 1), (4, 2)])
@@ -137,8 +147,8 @@ def test_zero3_agrees_with_deepspeed_estimator(gpus, nodes, optimizer, param):
         P_7B, LLAMA_7B.largest_layer_params, gpus, nodes,
         cpu_offload=optimizer == "cpu", cpu_offload_params=param == "cpu", zero_init=True)
     gpu, host = our_model_state_figures(est)
-    assert gpu == pytest.approx(ds_gpu, rel=GPU_TOLERANCE)
-    assert host == pytest.approx(ds_cpu, rel=HOST_TOLERANCE)
+    assert_close_above(gpu, ds_gpu)
+    assert_close_above(host, ds_cpu)
 
 
 # (3) offload
@@ -314,3 +324,17 @@ def test_unusable_config_values_are_all_reported_with_their_paths():
 def test_importing_estimate_does_not_import_torch():
     code = "import sys, dstrain.estimate; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_shipped_preset_renders_to_the_placement_its_name_promises():
+    from dstrain.config.resolve import resolve
+    from dstrain.estimate import PRESET_ORDER
+
+    expected = {"stage1": (1, "none", "none"), "stage2": (2, "none", "none"), "stage2_offload": (2, "cpu", "none"),
+                "stage3": (3, "none", "none"), "stage3_offload": (3, "cpu", "cpu"),
+                "stage3_nvme": (3, "nvme", "nvme")}
+    rendered = {name: resolve(preset=name, world_size=8, accelerator="cuda").ds_config for name in PRESET_ORDER}
+    estimates = estimate_presets(rendered, LLAMA_7B, node(gpus=8))
+    assert {e.name: (e.placement.stage, e.placement.offload_optimizer, e.placement.offload_param)
+            for e in estimates} == expected
+    assert recommend(estimates)[0] == "stage1"
