@@ -46,7 +46,8 @@ def handles_user_errors(func: Callable) -> Callable:
         try:
             return func(*args, **kwargs)
         except UserError as err:
-            _stderr().print(f"[bold red]error:[/] {err}", markup=True, soft_wrap=True)
+            from rich.markup import escape  # the message quotes user text: '[/x]' must not be read as markup
+            _stderr().print(f"[bold red]error:[/] {escape(str(err))}", markup=True, soft_wrap=True)
             raise typer.Exit(EXIT_BAD_INPUT)
     return wrapper
 

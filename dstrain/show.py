@@ -7,7 +7,9 @@ import sys
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from dstrain.config import presets as preset_files
 from dstrain.config.layers import flatten
@@ -33,7 +35,7 @@ def presets(name: str | None) -> None:
 def resolved_config(resolved: ResolvedConfig, *, explain: bool, deepspeed_json: bool) -> None:
     err = Console(stderr=True, highlight=False)
     for warning in resolved.warnings:
-        err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+        err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
     if deepspeed_json:
         sys.stdout.write(json.dumps(redact(resolved.ds_config), indent=2) + "\n")
         return
@@ -47,31 +49,35 @@ def resolved_config(resolved: ResolvedConfig, *, explain: bool, deepspeed_json: 
     table.add_column("value", overflow="fold")
     table.add_column("set by", style="dim")
     for path, value in flatten(data).items():
-        table.add_row(path, json.dumps(value), resolved.sources.get(path, "default"))
+        # Text, not str: values and paths are user text, and '[bold]' in them is not markup.
+        table.add_row(Text(path), Text(json.dumps(value)), Text(resolved.sources.get(path, "default")))
     Console(highlight=False).print(table)
 
 
-def plan_lines(resolved: ResolvedConfig, param_count: int | None = None) -> list[str]:
+def plan_lines(config, ds_config: dict, world: int, accelerator: str, preset: str | None,
+               param_count: int | None = None) -> list[str]:
     """The run plan: batch arithmetic, tokens per step, where states live (printed by run and rank 0)."""
-    cfg = resolved.config
-    t = cfg.train
-    zero = resolved.ds_config.get("zero_optimization") or {}
+    t = config.train
+    zero = ds_config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     opt_dev = (zero.get("offload_optimizer") or {}).get("device", "none")
     par_dev = (zero.get("offload_param") or {}).get("device", "none")
-    device = "GPU" if resolved.accelerator == "cuda" else "CPU rank memory"
+    device = "GPU" if accelerator == "cuda" else "CPU rank memory"
     where_params = par_dev.upper() if par_dev in ("cpu", "nvme") else device
     where_opt = opt_dev.upper() if opt_dev in ("cpu", "nvme") else device
-    sharded = lambda on: "sharded" if on else "replicated"  # noqa: E731
-    tokens = t.global_batch_size * cfg.data.seq_len
+
+    def sharded(on: bool) -> str:
+        return "sharded" if on else "replicated"
+
+    tokens = t.global_batch_size * config.data.seq_len
     lines = [
-        f"preset {resolved.preset or '(none)'}, ZeRO stage {stage}, precision {t.precision}, "
-        f"accelerator {resolved.accelerator}, world size {resolved.world_size}",
-        f"batch: micro {t.micro_batch_size} x grad accum {t.grad_accum_steps} x world {resolved.world_size} "
-        f"= {t.global_batch_size} sequences x {cfg.data.seq_len} tokens = {tokens:,} tokens/step",
+        f"preset {preset or '(none)'}, ZeRO stage {stage}, precision {t.precision}, "
+        f"accelerator {accelerator}, world size {world}",
+        f"batch: micro {t.micro_batch_size} x grad accum {t.grad_accum_steps} x world {world} "
+        f"= {t.global_batch_size} sequences x {config.data.seq_len} tokens = {tokens:,} tokens/step",
         f"params: {where_params}, {sharded(stage >= 3)}; gradients: {sharded(stage >= 2)}; "
         f"optimizer states: {where_opt}, {sharded(stage >= 1)}",
     ]
     if param_count is not None:
-        lines.append(f"model: {cfg.model.name}, {param_count:,} parameters")
+        lines.append(f"model: {config.model.name}, {param_count:,} parameters")
     return lines

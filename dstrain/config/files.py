@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,8 @@ import yaml
 from dstrain.errors import UserError
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+MAX_DEPTH = 32  # far deeper than any real config; keeps deepcopy/merge/flatten clear of RecursionError
+MAX_INT = 2**63  # torch and DeepSpeed count in int64; larger numbers are typos, and Python cannot print >4300 digits
 
 
 def read_mapping(path: Path, what: str) -> dict[str, Any]:
@@ -26,7 +30,7 @@ def read_mapping(path: Path, what: str) -> dict[str, Any]:
     except OSError as err:
         raise UserError.single(f"cannot read: {err.strerror}", where, "check the file's permissions")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # Windows editors start files with a BOM
     except UnicodeDecodeError as err:
         raise UserError.single(f"not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}); is it a binary file?",
                                where, "name a YAML or JSON text file")
@@ -50,21 +54,54 @@ def read_mapping(path: Path, what: str) -> dict[str, Any]:
                                "fix the YAML syntax (indentation with spaces, 'key: value' pairs)")
     except RecursionError:
         raise UserError.single("nested too deeply to read", where, "flatten the file")
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        raise UserError.single(f"cannot read a value: {str(err).split(';')[0]}", where,
+                               "write numbers of at most 19 digits")
     if data is None:
         raise UserError.single("file holds no settings (only comments?)", where, "add settings or drop the file")
     if not isinstance(data, dict):
         raise UserError.single(f"the top level must be a mapping of keys to values, not a {_kind(data)}", where,
                                "write 'key: value' lines at the top level, e.g. 'train:\\n  max_steps: 100'")
-    bad = [k for k in data if not isinstance(k, str)]
-    if bad:
-        raise UserError.single(f"keys must be strings, found {bad[0]!r}", where, "quote the key or rename it")
-    return data
+    return plain(data, where)
+
+
+def plain(value: Any, where: str, path: str = "", depth: int = 0) -> Any:
+    """`value` as JSON-compatible data: string keys at every depth, dates as ISO strings, finite-size ints.
+
+    YAML can produce what DeepSpeed's JSON cannot hold (unquoted dates, !!binary, !!set, 1: keys);
+    each is reported with its key path instead of failing later while printing or saving the JSON.
+    """
+    at = f"{where}: {path}" if path else where
+    if depth > MAX_DEPTH:
+        raise UserError.single(f"nested more than {MAX_DEPTH} levels deep", at, "flatten the settings")
+    if isinstance(value, dict):
+        out = {}
+        for key, sub in value.items():
+            if not isinstance(key, str):
+                raise UserError.single(f"keys must be strings, found {key!r}", at or where,
+                                       f"quote the key: '\"{key}\": ...'")
+            out[key] = plain(sub, where, f"{path}.{key}" if path else key, depth + 1)
+        return out
+    if isinstance(value, (list, tuple)):  # tuples come from YAML's !!omap / !!pairs
+        return [plain(sub, where, f"{path}[{i}]", depth + 1) for i, sub in enumerate(value)]
+    if isinstance(value, (datetime.date, datetime.datetime)):
+        return value.isoformat()  # an unquoted 2024-01-01 was meant as text
+    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
+        return value
+    if isinstance(value, int):
+        if abs(value) >= MAX_INT:
+            raise UserError.single("number too large (more than 64 bits)", at, "write a smaller number")
+        return value
+    raise UserError.single(f"unsupported value of type {type(value).__name__} (a YAML !!tag?)", at,
+                           "write a plain string, number, boolean, list or mapping")
 
 
 def parse_value(text: str) -> Any:
     """Parse a `--set` value: numbers (5e8 too), true/false/null, [lists], {maps}, else a string."""
     stripped = text.strip()
     if _NUMBER.match(stripped):
+        if len(stripped) > 100:  # int() refuses > 4300 digits; the schema or plain() reports the text
+            return text
         number = float(stripped)
         is_int_text = re.match(r"^[+-]?\d+$", stripped)
         return int(stripped) if is_int_text else (int(number) if number.is_integer() and abs(number) >= 1e3 else number)
@@ -86,12 +123,17 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
         if not sep or not key or any(not p for p in parts):
             problems.append((f"--set {item!r}", "expected KEY.PATH=VALUE", "e.g. --set train.max_steps=100"))
             continue
+        try:
+            parsed = plain(parse_value(value), f"--set {item!r}")
+        except UserError as err:
+            problems += [(p.where, p.message, p.fix) for p in err.problems]
+            continue
         node = out
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
                 node[part] = {}
             node = node[part]
-        node[parts[-1]] = parse_value(value)
+        node[parts[-1]] = parsed
     if problems:
         from dstrain.errors import Problem
         raise UserError([Problem(msg, where, fix) for where, msg, fix in problems])

@@ -57,13 +57,16 @@ class Merged:
     preset: str | None = None
 
     def source_of(self, path: str) -> Source:
-        """The source of a key path, or of its nearest set ancestor (a whole section set at once)."""
+        """The source of a key path, of its nearest set ancestor (a whole section set at once),
+        or of the highest layer that set a key below it."""
         parts = path.split(".")
         for end in range(len(parts), 0, -1):
             found = self.sources.get(".".join(parts[:end]))
             if found:
                 return found
-        return DEFAULT
+        # A section (e.g. a misspelt `zero_optimisation:`) has sources only on its leaves.
+        below = [s for k, s in self.sources.items() if k.startswith(path + ".")]
+        return max(below, key=lambda s: s.rank) if below else DEFAULT
 
 
 def collect_layers(preset: str | None, config_file: Path | None, sets: list[str],
@@ -99,7 +102,7 @@ def collect_layers(preset: str | None, config_file: Path | None, sets: list[str]
     env_path = env.get(ENV_DEEPSPEED_CONFIG)
     if env_path:
         try:
-            ds = read_mapping(Path(env_path), f"{ENV_DEEPSPEED_CONFIG}={env_path}:")
+            ds = read_mapping(Path(env_path), ENV_DEEPSPEED_CONFIG)
             layers.append(Layer(Source(3, f"{ENV_DEEPSPEED_CONFIG} ({env_path})"), {"deepspeed": ds},
                                 replaces_deepspeed=True))
         except UserError as err:
@@ -108,7 +111,11 @@ def collect_layers(preset: str | None, config_file: Path | None, sets: list[str]
             problems += err.problems
     if sets:
         try:
-            layers.append(Layer(Source(4, "--set"), parse_sets(sets)))
+            set_data = parse_sets(sets)
+            if "preset" in set_data:  # the preset picks the lowest layer; it cannot be an override
+                problems.append(Problem("the preset cannot be set with --set (it would be ignored)",
+                                        f"--set preset={set_data.pop('preset')}", "use --preset NAME"))
+            layers.append(Layer(Source(4, "--set"), set_data))
         except UserError as err:
             problems += err.problems
     if problems:

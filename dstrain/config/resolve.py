@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,8 +62,9 @@ class ResolvedConfig:
         return self.config.train.precision
 
     def config_hash(self) -> str:
-        """Short hash of what determines the training trajectory (used to guard resumes)."""
-        blob = json.dumps(self.config.model_dump(mode="json"), sort_keys=True)
+        """Short hash of what a checkpoint's tensors depend on: the model section and the sequence
+        length (used to refuse resuming a checkpoint into a different model)."""
+        blob = json.dumps([self.config.model.model_dump(mode="json"), self.config.data.seq_len], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -87,7 +89,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str) -> Resolve
     notes = _link(merged, problems)
     dstrain_part = {k: v for k, v in merged.data.items() if k != "deepspeed"}
     dstrain_part["preset"] = merged.preset
-    config = _validate_schema(dstrain_part, merged, problems)
+    config = _validate_schema(dstrain_part, merged, problems, notes)
     if config is None:
         raise UserError(problems)
 
@@ -102,7 +104,9 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str) -> Resolve
     config.deepspeed = rendered
     sources = {}
     for path in flatten(config.model_dump(mode="json")):
-        sources[path] = notes.get(path) or merged.source_of(path).label
+        parts = path.split(".")
+        noted = [notes[p] for p in (".".join(parts[:end]) for end in range(len(parts), 0, -1)) if p in notes]
+        sources[path] = noted[0] if noted else merged.source_of(path).label
     for train_path, ds_path in LINKS:
         if get_path(config.model_dump(), ds_path) is not None:
             sources[ds_path] = f"follows {train_path} ({sources[train_path]})"
@@ -118,7 +122,8 @@ def _where(merged: Merged, path: str) -> str:
     return f"{source.label}: {path}" if source is not DEFAULT else path
 
 
-def _validate_schema(data: dict, merged: Merged, problems: list[Problem]) -> RunConfig | None:
+def _validate_schema(data: dict, merged: Merged, problems: list[Problem],
+                     notes: dict[str, str]) -> RunConfig | None:
     data = copy.deepcopy(data)
     if get_path(data, "train.global_batch_size") == AUTO:  # "auto" global batch: derived later
         set_path(data, "train.global_batch_size", None)
@@ -127,7 +132,9 @@ def _validate_schema(data: dict, merged: Merged, problems: list[Problem]) -> Run
     except ValidationError as err:
         for e in err.errors():
             path = ".".join(str(p) for p in e["loc"])
-            problems.append(Problem(_pydantic_message(e), _where(merged, path), _pydantic_fix(e, path)))
+            # A value taken from its DeepSpeed spelling is reported where the user wrote it.
+            spelled = next((ds for train, ds in LINKS if train == path and path in notes), path)
+            problems.append(Problem(_pydantic_message(e), _where(merged, spelled), _pydantic_fix(e, path)))
         return None
 
 
@@ -151,7 +158,7 @@ def _pydantic_fix(e: dict, path: str) -> str:
         prefix = parts[0] + "." if len(parts) == 2 else ""
         return (hint + " " if hint else "") + "valid keys: " + ", ".join(prefix + f for f in model.model_fields)
     if model is not None and parts[-1] in model.model_fields:
-        return model.model_fields[parts[-1]].description.splitlines()[0]
+        return (model.model_fields[parts[-1]].description or "").strip().split("\n")[0]
     return "see `dstrain config --explain` for the valid keys"
 
 
@@ -238,6 +245,8 @@ def _link(merged: Merged, problems: list[Problem]) -> dict[str, str]:
     """Make each linked pair agree: the higher layer wins. Returns notes on derived sources."""
     notes: dict[str, str] = {}
     data = merged.data
+    if not isinstance(data.get("train", {}), dict):
+        return notes  # `train: 5` is reported by the schema; linking would silently replace it
     for train_path, ds_path in LINKS:
         train_value = get_path(data, train_path)
         ds_value = get_path(data, ds_path)
@@ -314,8 +323,7 @@ def _resolve_batch(config: RunConfig, merged: Merged, world: int, problems: list
         train.grad_accum_steps = glob // (micro * world)
         notes["train.grad_accum_steps"] = f"derived: global {glob} / (micro {micro} x world {world})"
         return
-    ok = [a for a in range(1, glob + 1) if glob % (micro * world * a) == 0 and micro * world * a == glob]
-    fix = (f"set train.grad_accum_steps={ok[0]}" if ok else
+    fix = (f"set train.grad_accum_steps={glob // (micro * world)}" if glob % (micro * world) == 0 else
            f"choose a global batch divisible by micro x world = {micro * world}, or leave it unset")
     problems.append(Problem(
         f"global batch {glob} ({glob_src.label}) != micro batch {micro} ({micro_src.label}) x grad accum "
@@ -342,19 +350,30 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
         ds.pop("bf16")
 
     adam_params = {"lr": train.lr, "betas": list(train.betas), "eps": train.eps, "weight_decay": train.weight_decay}
-    if "optimizer" not in ds:
+    optimizer = ds.get("optimizer")
+    if optimizer is None:  # absent, or an empty `optimizer:` in YAML
         ds["optimizer"] = {"type": OPTIMIZER_TYPES[train.optimizer], "params": adam_params}
         notes["deepspeed.optimizer"] = "dstrain: from train.optimizer and train.lr/betas/eps/weight_decay"
+    elif not isinstance(optimizer, dict) or not isinstance(optimizer.get("params") or {}, dict):
+        bad = "optimizer" if not isinstance(optimizer, dict) else "optimizer.params"
+        problems.append(Problem("must be a mapping", _where(merged, f"deepspeed.{bad}"),
+                                "e.g. optimizer: {type: AdamW, params: {lr: 3.0e-4}}, or remove it to use train.optimizer"))
     else:
-        params = ds["optimizer"].setdefault("params", {})
+        # A partial section (`--set deepspeed.optimizer.params.lr=...`) still names its optimizer:
+        # without "type" DeepSpeed would expect a client optimizer and fail at start.
+        if "type" not in optimizer:
+            optimizer["type"] = OPTIMIZER_TYPES[train.optimizer]
+        params = optimizer["params"] = optimizer.get("params") or {}
         for key, value in adam_params.items():
             if key in params or key == "lr":
                 params[key] = value
 
-    warmup = min(train.warmup_steps, train.max_steps - 1)
+    # Not clamped to max_steps: the schedule of the first steps must not depend on how long the run
+    # is, or a run extended with --resume would not continue like one that was always that long.
+    warmup = train.warmup_steps
     scheduler_autos = {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr, "warmup_num_steps": warmup,
                        "total_num_steps": train.max_steps}
-    if "scheduler" not in ds:
+    if ds.get("scheduler") is None:
         if train.schedule == "cosine":
             ds["scheduler"] = {"type": "WarmupCosineLR", "params": {
                 "total_num_steps": train.max_steps, "warmup_num_steps": warmup, "warmup_min_ratio": 0.0,
@@ -365,6 +384,10 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
             ds["scheduler"] = {"type": "WarmupLR", "params": {
                 k: scheduler_autos[k] for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps")}}
         notes["deepspeed.scheduler"] = "dstrain: from train.schedule, lr, warmup_steps, max_steps"
+    elif not isinstance(ds["scheduler"], dict):
+        problems.append(Problem("must be a mapping", _where(merged, "deepspeed.scheduler"),
+                                "e.g. scheduler: {type: WarmupLR, params: {warmup_num_steps: 100}}, "
+                                "or remove it to use train.schedule"))
     elif isinstance(ds["scheduler"].get("params"), dict):
         for key, value in ds["scheduler"]["params"].items():
             if value == AUTO and key in scheduler_autos:
@@ -381,11 +404,23 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
                 notes[f"deepspeed.zero_optimization.{key}"] = f"auto: from model.d_model={width}"
 
     _integral_floats_to_int(ds)
+    for path in _non_finite(ds):
+        problems.append(Problem("must be a finite number (JSON has no NaN or Infinity)",
+                                _where(merged, f"deepspeed.{path}"), "write a finite number, or remove the key"))
     for path, value in flatten(ds).items():
         if value == AUTO:
             problems.append(Problem("dstrain cannot fill in 'auto' for this key", _where(merged, f"deepspeed.{path}"),
                                     "set an explicit value (or remove the key to use DeepSpeed's default)"))
     return ds
+
+
+def _non_finite(node: Any, path: str = "") -> list[str]:
+    """Key paths of NaN/Infinity values, which `json.dumps` would write as invalid JSON."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _non_finite(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _non_finite(v, f"{path}[{i}]")]
+    return [path] if isinstance(node, float) and not math.isfinite(node) else []
 
 
 def _integral_floats_to_int(node: dict) -> None:
@@ -432,8 +467,13 @@ def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Probl
 def redact(value: Any) -> Any:
     """A copy with secrets (API keys, tokens, passwords) replaced, for printing and saving."""
     if isinstance(value, dict):
-        return {k: (REDACTED if SECRET_KEY.search(str(k)) and isinstance(v, str) and v else redact(v))
+        return {k: (REDACTED if SECRET_KEY.search(str(k)) and _is_secret_value(v) else redact(v))
                 for k, v in value.items()}
     if isinstance(value, list):
         return [redact(v) for v in value]
     return value
+
+
+def _is_secret_value(value: Any) -> bool:
+    """A filled-in scalar (string or number); null, "" and booleans (e.g. `token: false`) say nothing."""
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool) and value != ""

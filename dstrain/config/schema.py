@@ -7,15 +7,20 @@ checked against DeepSpeed's own key names and models in `deepspeed_keys` / `deep
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, NonNegativeFloat, field_validator
+
+
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # torch's Adam rejects betas outside [0, 1)
 
 
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, docstrings become help text."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # allow_inf_nan=False: `lr: .inf` or `grad_clip: nan` is a mistake, and JSON cannot hold it.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -89,8 +94,8 @@ class TrainConfig(Section):
     cosine (WarmupCosineLR), linear (WarmupDecayLR) or constant (WarmupLR)."""
     weight_decay: NonNegativeFloat = 0.1
     """Decoupled weight decay (AdamW)."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """Adam betas."""
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    """Adam betas, each in [0, 1)."""
     eps: PositiveFloat = 1e-8
     """Adam epsilon."""
     grad_clip: NonNegativeFloat = 1.0

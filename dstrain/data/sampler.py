@@ -1,0 +1,79 @@
+"""Deterministic, resumable batches for each rank.
+
+Sample i of the run (counted over all ranks) is window perm_e[i mod W] of the token stream, where
+W is the number of non-overlapping windows and perm_e a permutation seeded by (seed, epoch e).
+Optimizer step s, micro step m, rank r takes samples s*G + (m*world + r)*micro ... + micro - 1,
+with G the global batch. So the data position is a pure function of the step: resuming at step s
+(even with another world size, as long as G is kept) continues with exactly the same samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class WindowSampler:
+    """Fixed-length (input, target) windows from a token stream, in a seeded order."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.windows = (len(tokens) - 1) // seq_len
+        assert self.windows > 0, "the split guarantees at least one window"
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _window_of(self, sample: int) -> int:
+        epoch, offset = divmod(sample, self.windows)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
+            self._perm_epoch = epoch
+        return int(self._perm[offset])
+
+    def batch(self, first_sample: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        for sample in range(first_sample, first_sample + count):
+            start = self._window_of(sample) * self.seq_len
+            rows.append(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+        block = torch.from_numpy(np.stack(rows))
+        return block[:, :-1], block[:, 1:]
+
+
+class SyntheticSampler:
+    """Random tokens (seeded by the sample index): for benchmarks, where the data must cost nothing."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int):
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+
+    def batch(self, first_sample: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + first_sample)
+        block = torch.randint(0, self.vocab_size, (count, self.seq_len + 1), generator=gen)
+        return block[:, :-1], block[:, 1:]
+
+
+class DatasetSampler:
+    """A user's torch Dataset (from an entry point): item i of the seeded order, collated by stacking."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+        self.windows = len(dataset)
+        self._perm_epoch, self._perm = -1, None
+
+    def batch(self, first_sample: int, count: int):
+        items = []
+        for sample in range(first_sample, first_sample + count):
+            epoch, offset = divmod(sample, self.windows)
+            if epoch != self._perm_epoch:
+                self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
+                self._perm_epoch = epoch
+            items.append(self.dataset[int(self._perm[offset])])
+        return torch.utils.data.default_collate(items)
+
+
+def rank_batch(sampler, step: int, micro_step: int, rank: int, world: int, micro: int, accum: int):
+    """The micro batch of (step, micro_step) for one rank; see the module docstring for the layout."""
+    global_batch = micro * accum * world
+    first = step * global_batch + (micro_step * world + rank) * micro
+    return sampler.batch(first, micro)

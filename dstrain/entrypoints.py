@@ -1,0 +1,41 @@
+"""Loading user code named as "package.module:function" in a config.
+
+Entry points are code execution: a config that names one runs that code (see README, Security).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Callable
+
+from dstrain.errors import UserError
+
+
+def is_entry_point(name: str) -> bool:
+    return ":" in name
+
+
+def load_entry_point(spec: str, key: str) -> Callable:
+    """Import `module:function` and return the function, or a UserError naming the key and the fix."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise UserError.single(f"{spec!r} is not an entry point", key,
+                               "write 'package.module:function', e.g. 'my_models:build' (or 'gpt' for the built-in)")
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:  # user modules next to the config, as `python -m` would find them
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UserError.single(f"cannot import module {module_name!r}: {err}", key,
+                               "check the module name and that it is on PYTHONPATH or in the current directory")
+    except Exception as err:  # noqa: BLE001 - user code failing at import is still the user's input
+        raise UserError.single(f"importing {module_name!r} failed: {type(err).__name__}: {err}", key,
+                               "fix the error in that module")
+    func = getattr(module, attr, None)
+    if not callable(func):
+        raise UserError.single(f"module {module_name!r} has no function {attr!r}", key,
+                               "check the function name after the ':'")
+    return func

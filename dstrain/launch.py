@@ -1,0 +1,371 @@
+"""`dstrain run`: resolve and check everything, write the run directory, start the ranks through
+the real `deepspeed` launcher, and supervise them.
+
+Order matters for the user: every check that can fail on bad input (config, DeepSpeed's own
+models, the model and data entry points, the hostfile, the checkpoint to resume) runs before
+anything is written or spawned, so a typo costs seconds, not a GPU allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+
+from dstrain import __version__
+from dstrain.checkpoint import CHECKPOINTS, complete_checkpoints, find_resume
+from dstrain.config.layers import flatten
+from dstrain.config.resolve import ResolvedConfig, redact, resolve
+from dstrain.errors import Problem, UserError
+from dstrain.hardware import default_ranks_per_node, resolve_accelerator
+from dstrain.worker import RANKS_DIR
+
+LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
+STOP_GRACE_S = 110  # a preempted job must be gone within 120 s; ranks get this long to save
+_RUNNER_NOISE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|DEBUG)\]|Setting accelerator to CPU|"
+                           r"Unable to find hostfile|get learning rate from scheduler before it has started")
+
+
+@dataclass
+class LaunchOptions:
+    preset: str | None = None
+    config_file: Path | None = None
+    sets: list[str] = field(default_factory=list)
+    gpus: int | None = None
+    nodes: int = 1
+    hostfile: Path | None = None
+    include: str | None = None
+    exclude: str | None = None
+    master_port: int | None = None
+    master_addr: str | None = None
+    launcher: str | None = None
+    node_rank: int | None = None
+    no_ssh: bool = False
+    accelerator: str = "auto"
+    run_dir: Path | None = None
+    resume: str | None = None
+    dry_run: bool = False
+    verbose: bool = False
+
+
+def read_hostfile(path: Path) -> dict[str, int]:
+    """DeepSpeed's hostfile: 'hostname slots=N' per line, '#' comments. Checked here for a clear error."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise UserError.single(f"cannot read hostfile: {err.strerror}", f"--hostfile {path}",
+                               "give a file with one 'hostname slots=N' line per node")
+    hosts: dict[str, int] = {}
+    problems = []
+    for number, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
+        if not match or int(match.group(2)) < 1:
+            problems.append(Problem(f"line {number} {raw!r} is not 'hostname slots=N' (N >= 1)",
+                                    f"--hostfile {path}", "e.g. 'worker-0 slots=8'"))
+            continue
+        if match.group(1) in hosts:
+            problems.append(Problem(f"line {number}: host {match.group(1)!r} listed twice", f"--hostfile {path}",
+                                    "list each host once"))
+        hosts[match.group(1)] = int(match.group(2))
+    if not hosts and not problems:
+        problems.append(Problem("no hosts listed", f"--hostfile {path}", "add 'hostname slots=N' lines"))
+    if problems:
+        raise UserError(problems)
+    return hosts
+
+
+def _topology(o: LaunchOptions, accelerator: str) -> tuple[int, int, dict[str, int] | None]:
+    """(ranks per node, nodes, hosts) from the flags and the hostfile."""
+    if o.launcher and o.launcher not in LAUNCHERS:
+        raise UserError.single(f"unknown launcher {o.launcher!r}", "--launcher", "use one of " + ", ".join(LAUNCHERS))
+    if o.gpus is not None and o.gpus < 1 or o.nodes < 1:
+        raise UserError.single("must be at least 1", "--gpus/--nodes", "e.g. --gpus 8 --nodes 2")
+    if o.no_ssh and o.node_rank is None and o.nodes > 1:
+        raise UserError.single("--no-ssh with several nodes needs this node's rank", "--node-rank",
+                               "run once per node with --node-rank 0, 1, ...")
+    if o.node_rank is not None and not 0 <= o.node_rank < o.nodes:
+        raise UserError.single(f"node rank {o.node_rank} is not in 0..{o.nodes - 1}", "--node-rank",
+                               "use 0 for the first node; --nodes gives the count")
+    hosts = read_hostfile(o.hostfile) if o.hostfile else None
+    nodes = o.nodes
+    if hosts and nodes == 1 and not o.no_ssh:
+        nodes = len(hosts)
+    if hosts and nodes > len(hosts):
+        raise UserError.single(f"--nodes {nodes} but the hostfile lists {len(hosts)} hosts", f"--hostfile {o.hostfile}",
+                               "add hosts or lower --nodes")
+    ranks = o.gpus or (min(hosts.values()) if hosts else default_ranks_per_node(accelerator))
+    return ranks, nodes, hosts
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _check_runtime(resolved: ResolvedConfig) -> int:
+    """Checks that import DeepSpeed/torch: DeepSpeed's config models, the model (built on the meta
+    device: no memory) and the data source. Returns the parameter count."""
+    from dstrain.config import deepspeed_models
+    problems = deepspeed_models.validate(resolved.ds_config)
+    if problems:
+        raise UserError(problems)
+    from dstrain.estimate import count_model
+    from dstrain.models import model_builder
+    build = model_builder(resolved.config)
+    try:
+        params, _ = count_model(build)
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a user model that cannot be built is bad input
+        raise UserError.single(f"building the model failed: {type(err).__name__}: {err}", "model",
+                               "check model.name and model.kwargs")
+    _check_data(resolved)
+    return params
+
+
+def _check_data(resolved: ResolvedConfig) -> None:
+    from dstrain.entrypoints import is_entry_point, load_entry_point
+    from dstrain.data import sources
+    data = resolved.config.data
+    if is_entry_point(data.source):
+        load_entry_point(data.source, "data.source")
+    elif data.source in ("text", "tokens"):
+        sources._expand(data.paths, "data.paths")
+    elif data.source not in ("corpus", "synthetic"):
+        raise UserError.single(f"unknown data source {data.source!r}", "data.source",
+                               "use corpus, synthetic, text, tokens or an entry point 'module:function'")
+
+
+def _default_run_dir(resolved: ResolvedConfig) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{resolved.preset or 'custom'}"
+
+
+def _prepare_run_dir(run_dir: Path, resuming: bool) -> None:
+    if not resuming and complete_checkpoints(run_dir / CHECKPOINTS):
+        raise UserError.single("this run directory already holds checkpoints", f"--run-dir {run_dir}",
+                               "continue it with --resume latest, or choose another --run-dir")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write_test{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise UserError.single(f"cannot write the run directory: {err.strerror}", f"--run-dir {run_dir}",
+                               "choose a writable directory with free space")
+
+
+def _write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: dict) -> None:
+    from dstrain.checkpoint import write_atomic
+    config = resolved.config.model_dump(mode="json")
+    secrets = {path: value for path, value in flatten(resolved.ds_config).items()
+               if flatten(redact(resolved.ds_config)).get(path) != value}
+    try:
+        write_atomic(run_dir / "config.yaml", yaml.safe_dump(redact(config), sort_keys=False))
+        write_atomic(run_dir / "ds_config.json", json.dumps(redact(resolved.ds_config), indent=2))
+        write_atomic(run_dir / "launch.json", json.dumps(launch_info, indent=2))
+        if secrets:
+            secret_file = run_dir / ".secrets.json"
+            write_atomic(secret_file, json.dumps(secrets))
+            secret_file.chmod(0o600)
+        (run_dir / RANKS_DIR).mkdir(exist_ok=True)
+        for stale in (run_dir / RANKS_DIR).glob("rank*"):
+            stale.unlink()
+    except OSError as err:
+        raise UserError.single(f"cannot write the run directory: {err.strerror}", f"--run-dir {run_dir}",
+                               "choose a writable directory with free space")
+
+
+def _runner_command(o: LaunchOptions, ranks: int, nodes: int, run_dir: Path, port: int) -> list[str]:
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+    hostfile = o.hostfile
+    if o.no_ssh and nodes > 1 and hostfile is None:
+        hostfile = run_dir / "hostfile"  # --no-ssh only needs the shape of the job: one line per node
+        hostfile.write_text("".join(f"node{i} slots={ranks}\n" for i in range(nodes)))
+    cmd += ["--hostfile", str(hostfile) if hostfile else str(run_dir / "no-hostfile")]
+    if o.include or o.exclude:
+        cmd += ["--include", o.include] if o.include else ["--exclude", o.exclude]
+    else:
+        cmd += ["--num_gpus", str(ranks), "--num_nodes", str(nodes)]
+    cmd += ["--master_port", str(port)]
+    if o.master_addr:
+        cmd += ["--master_addr", o.master_addr]
+    if o.launcher:
+        cmd += ["--launcher", o.launcher]
+    if o.no_ssh:
+        cmd += ["--no_ssh", "--node_rank", str(o.node_rank or 0)]
+    if not o.verbose:
+        cmd += ["--log_level", "warning"]
+    # The run directory is the only argument, positional: the runner never mistakes it for a flag.
+    return cmd + ["--module", "dstrain.worker", str(run_dir.resolve())]
+
+
+def _rank_env(accelerator: str, ranks: int) -> dict[str, str]:
+    from dstrain.env_fixes import sanitize_cuda_arch_list
+    env, note = sanitize_cuda_arch_list(os.environ)
+    if note:
+        Console(stderr=True).print(f"[yellow]note:[/] {note}")
+    env["DS_ACCELERATOR"] = accelerator
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    env["PYTHONUNBUFFERED"] = "1"
+    cwd = str(Path.cwd())  # user entry points next to the config import in every rank
+    env["PYTHONPATH"] = cwd + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def launch(o: LaunchOptions) -> int:
+    console = Console(highlight=False)
+    accelerator = resolve_accelerator(o.accelerator)
+    os.environ["DS_ACCELERATOR"] = accelerator  # DeepSpeed, imported for the checks below, asks no more
+    if o.accelerator not in ("auto", "cuda", "cpu"):
+        raise UserError.single(f"unknown accelerator {o.accelerator!r}", "--accelerator", "use auto, cuda or cpu")
+    ranks, nodes, _ = _topology(o, accelerator)
+    world = ranks * nodes
+    preset = o.preset
+    if preset and preset.strip().lower() == "auto":
+        from dstrain.planner import choose_preset
+        preset, reason = choose_preset(o.config_file, o.sets, ranks, nodes, accelerator)
+        console.print(f"--preset auto: {preset} ({reason})")
+    resolved = resolve(preset, o.config_file, o.sets, world_size=world, accelerator=accelerator)
+    for warning in resolved.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    params = _check_runtime(resolved)
+
+    run_dir = o.run_dir or _default_run_dir(resolved)
+    resume_info, notes = None, []
+    if o.resume:
+        found, notes = find_resume(o.resume, run_dir)
+        saved_hash = found.mark.get("config_hash")
+        if saved_hash and saved_hash != resolved.config_hash():
+            raise UserError.single(f"checkpoint {found.tag} was saved with a different model/data config",
+                                   f"--resume {o.resume}", "resume with the model section it was trained with")
+        if found.world_size != world:
+            raise UserError.single(f"checkpoint {found.tag} was saved by {found.world_size} ranks, this run has {world}",
+                                   f"--resume {o.resume}", f"run with {found.world_size} ranks (--gpus/--nodes)")
+        resume_info = {"directory": str(found.directory.resolve()), "tag": found.tag, "step": found.step}
+
+    from dstrain.show import plan_lines
+    for line in plan_lines(resolved.config, resolved.ds_config, world, accelerator, resolved.preset, params):
+        console.print(line, soft_wrap=True)
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}")
+    if resume_info:
+        console.print(f"resume: {resume_info['tag']} (step {resume_info['step']}) from {resume_info['directory']}")
+    port = o.master_port or _free_port()
+    if o.dry_run:
+        console.print(f"run directory: {run_dir} (not written: --dry-run)")
+        console.print("would run: " + " ".join(_runner_command(o, ranks, nodes, Path(run_dir), port)[3:]))
+        return 0
+
+    _prepare_run_dir(run_dir, resuming=resume_info is not None)
+    launch_info = {"resume": resume_info, "verbose": o.verbose, "preset": resolved.preset, "world_size": world,
+                   "config_hash": resolved.config_hash(), "dstrain_version": __version__, "accelerator": accelerator}
+    _write_run_dir(run_dir, resolved, launch_info)
+    console.print(f"run directory: {run_dir}")
+    command = _runner_command(o, ranks, nodes, run_dir, port)
+    return supervise(command, _rank_env(accelerator, ranks), run_dir, o.verbose, console)
+
+
+# ---------------------------------------------------------------- supervising the ranks
+
+def _local_rank_pids(run_dir: Path) -> dict[int, int]:
+    pids = {}
+    for pid_file in (run_dir / RANKS_DIR).glob("rank*.pid"):
+        try:
+            pid = int(pid_file.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"dstrain.worker" in cmdline:
+            pids[int(pid_file.name[4:-4])] = pid
+    return pids
+
+
+def _stop_ranks(run_dir: Path, sig: int) -> None:
+    for pid in _local_rank_pids(run_dir).values():
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def failure_report(run_dir: Path, alive: set[int]) -> list[str]:
+    """Which ranks failed and how, from the records ranks leave under ranks/. `alive`: ranks still
+    running when the launcher gave up (they were stopped because of another rank, not failed)."""
+    directory = run_dir / RANKS_DIR
+    started = sorted(int(p.name[4:-4]) for p in directory.glob("rank*.pid"))
+    records = {r: directory / f"rank{r}.exit" for r in started}
+    silent = [r for r in started if not records[r].exists() and r not in alive]
+    if silent:  # no record at all: killed from outside (SIGKILL, the OOM killer) or crashed hard
+        return [f"rank {r} died without reporting (killed by a signal such as SIGKILL, or out of memory)"
+                for r in silent]
+    failed = sorted((records[r].stat().st_mtime_ns, r, records[r].read_text()) for r in started
+                    if records[r].exists() and records[r].read_text() != "ok")
+    return [("" if i == 0 else "  then ") + f"rank {r}: {text}" for i, (_, r, text) in enumerate(failed)]
+
+
+def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: bool, console: Console) -> int:
+    """Run the deepspeed runner, filter its chatter, forward SIGTERM/SIGINT to the ranks (which save
+    and stop), and name the failed rank if the job fails. Returns the exit code."""
+    # A new session: Ctrl-C reaches only us, and we ask the ranks to stop cleanly instead of
+    # letting the launcher kill them mid-step.
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True, text=True, bufsize=1)
+    received: list[int] = []
+    deadline: list[float] = []
+
+    def forward(signum, _frame):
+        if not received:
+            console.print(f"\n{signal.Signals(signum).name}: asking the ranks to save a checkpoint and stop")
+            deadline.append(time.monotonic() + STOP_GRACE_S)
+        received.append(signum)
+        _stop_ranks(run_dir, signal.SIGTERM)
+
+    def pump() -> None:
+        for line in process.stdout:
+            if verbose or not _RUNNER_NOISE.search(line):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        while process.poll() is None:
+            time.sleep(0.2)
+            if deadline and time.monotonic() > deadline[0]:
+                console.print("[red]ranks did not stop in time; killing them[/]")
+                break
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        alive = set(_local_rank_pids(run_dir))
+        _stop_ranks(run_dir, signal.SIGKILL)  # no orphan rank outlives the job
+        reader.join(timeout=5)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    code = process.returncode
+    if code == 0 and received:
+        console.print("stopped cleanly after a checkpoint; continue with --resume latest")
+        return 128 + received[0]
+    if code != 0:
+        console.print(f"[bold red]training failed[/] (launcher exit code {code})")
+        for line in failure_report(run_dir, alive):
+            console.print(f"[red]{line}[/]")
+        return code if code > 0 else 1
+    return 0

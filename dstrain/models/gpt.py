@@ -1,0 +1,92 @@
+"""The built-in GPT family: a pre-norm decoder-only transformer with PyTorch SDPA attention.
+
+forward(batch) takes (inputs, targets) token tensors and returns the mean cross-entropy loss,
+which is the model protocol every dstrain model follows. Blocks can be recomputed in backward
+through DeepSpeed's activation checkpointing (set by the train loop, see `enable_checkpointing`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        # (batch, heads, seq, head_dim) for SDPA, which picks flash/memory-efficient kernels when it can
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model, bias=False), nn.GELU(approximate="tanh"),
+                                 nn.Linear(4 * d_model, d_model, bias=False))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layer: int, n_head: int, dropout: float = 0.0):
+        super().__init__()
+        self.seq_len = seq_len
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied input/output embeddings, as in GPT-2
+        self.checkpoint_fn: Callable | None = None
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():  # scaled init of residual projections (GPT-2)
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
+                torch.nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+
+    def enable_checkpointing(self, checkpoint_fn: Callable) -> None:
+        """Recompute each block in backward with `checkpoint_fn(block, x)` (DeepSpeed's checkpoint)."""
+        self.checkpoint_fn = checkpoint_fn
+
+    def forward(self, batch) -> torch.Tensor:
+        inputs, targets = batch
+        positions = torch.arange(inputs.shape[1], device=inputs.device)
+        x = self.drop(self.tok_emb(inputs) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = self.checkpoint_fn(block, x) if self.checkpoint_fn and self.training else block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int, embedding_params: int) -> float:
+    """Training FLOPs per token: 6 x non-embedding params (forward + backward matmuls) plus
+    12 x layers x width x sequence for attention scores (Kaplan et al. 2020; PaLM appendix B)."""
+    return 6.0 * (n_params - embedding_params) + 12.0 * n_layer * d_model * seq_len
