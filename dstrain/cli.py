@@ -151,6 +151,123 @@ def run_cmd(
     raise typer.Exit(launch(options))
 
 
+@app.command("estimate")
+@handles_user_errors
+def estimate_cmd(
+    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Highlight this preset (all six are estimated)."),
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[List[str]] = SetOpt,
+    params: Optional[float] = typer.Option(None, "--params", help="Parameter count (e.g. 7e9) instead of the config's model."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs per node (default: this machine's)."),
+    nodes: int = NodesOpt,
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GiB per GPU (default: this machine's)."),
+    cpu_mem: Optional[float] = typer.Option(None, "--cpu-mem", help="GiB of host RAM per node (default: this machine's)."),
+    accelerator: str = typer.Option("cuda", "--accelerator", help="cuda (estimate GPUs) or cpu (CPU ranks)."),
+    json_output: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+) -> None:
+    """Estimate GPU, host and NVMe memory of every preset, and recommend the fastest that fits.
+
+    Examples:
+
+      dstrain estimate --params 7e9 --gpus 8 --gpu-mem 80
+
+      dstrain estimate --config run.yaml --set train.activation_checkpointing=true
+
+      dstrain estimate --params 13e9 --gpus 8 --nodes 2 --json
+    """
+    import json as jsonlib
+    from rich.console import Console
+    from dstrain import estimate as E
+    from dstrain.planner import make_plan
+    if accelerator not in ("cuda", "cpu"):
+        raise UserError.single(f"unknown accelerator {accelerator!r}", "--accelerator", "use cuda or cpu")
+    if preset:
+        from dstrain.config.presets import preset_path
+        preset_path(preset)
+    plan = make_plan(config, set_ or [], params, gpus, nodes, gpu_mem, cpu_mem, accelerator)
+    if json_output:
+        report = E.to_json(plan.estimates, plan.recommended, plan.reason, plan.hardware, plan.workload)
+        report["notes"] = plan.notes
+        sys.stdout.write(jsonlib.dumps(report, indent=2) + "\n")
+        return
+    console = Console(highlight=False)
+    for note in plan.notes:
+        console.print(f"[dim]{note}[/]")
+    E.render(plan.estimates, plan.recommended, plan.reason, plan.hardware, plan.workload, console)
+
+
+@app.command("convert-checkpoint")
+@handles_user_errors
+def convert_cmd(
+    checkpoint_dir: Path = typer.Argument(..., help="A DeepSpeed save directory (with 'latest') or one tag inside it."),
+    output: Path = typer.Argument(..., help="Output file: .safetensors (default format) or .pt; a directory with --to-universal."),
+    tag: Optional[str] = typer.Option(None, "--tag", help="Checkpoint tag (default: the one 'latest' names)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 5GB: shards + index JSON (Hugging Face layout)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUTPUT if it exists."),
+    to_universal: bool = typer.Option(False, "--to-universal", help="Write a DeepSpeed universal checkpoint (resume with another world size)."),
+) -> None:
+    """Consolidate sharded ZeRO checkpoints (any stage, any rank count) into one weights file.
+
+    Examples:
+
+      dstrain convert-checkpoint runs/x/checkpoints model.safetensors
+
+      dstrain convert-checkpoint runs/x/checkpoints model.pt --tag step00000100 --dtype bf16
+
+      dstrain convert-checkpoint runs/x/checkpoints out/ --max-shard-size 5GB --force
+
+      dstrain convert-checkpoint runs/x/checkpoints runs/x/universal --to-universal
+    """
+    from rich.console import Console
+    from dstrain import convert
+    console = Console(highlight=False)
+    if to_universal:
+        path = convert.to_universal(checkpoint_dir, output, tag=tag, force=force)
+        console.print(f"universal checkpoint written to {path}")
+        return
+    report = convert.convert_checkpoint(checkpoint_dir, output, tag=tag, dtype=dtype,
+                                        max_shard_size=max_shard_size, force=force)
+    console.print(report.summary() if hasattr(report, "summary") else str(report), soft_wrap=True)
+
+
+@app.command("doctor")
+def doctor_cmd(
+    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    nvme_path: Optional[Path] = typer.Option(None, "--nvme-path", help="Check this NVMe offload directory (write/read speed)."),
+) -> None:
+    """Check this machine: versions, GPUs, RAM, DeepSpeed ops, libaio, NVMe path, each problem with its fix.
+
+    Examples:
+
+      dstrain doctor
+
+      dstrain doctor --json --nvme-path /local_nvme
+    """
+    from dstrain import doctor
+    raise typer.Exit(doctor.main(json_output, nvme_path))
+
+
+@app.command("eval")
+@handles_user_errors
+def eval_cmd(
+    run_dir: Path = typer.Option(..., "--run-dir", help="The run directory of a `dstrain run`."),
+    resume: str = typer.Option("latest", "--resume", help="Checkpoint to evaluate: latest, a tag, or a path."),
+    accelerator: str = AccelOpt,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show DeepSpeed's own INFO logging."),
+) -> None:
+    """Evaluate a checkpoint on the held-out split with the run's own preset and world size.
+
+    Examples:
+
+      dstrain eval --run-dir runs/x
+
+      dstrain eval --run-dir runs/x --resume step00000100
+    """
+    from dstrain.evaluate import evaluate_run
+    raise typer.Exit(evaluate_run(run_dir, resume, accelerator, verbose))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

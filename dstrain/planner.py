@@ -1,0 +1,98 @@
+"""Which preset fits: the memory estimate of every preset for one run config and machine.
+
+Shared by `dstrain estimate` and `dstrain run --preset auto`. The user's --config and --set are
+layered on each preset in turn, so the estimate is of exactly the configs that would run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from dstrain.config.presets import PRESET_ORDER, available
+from dstrain.config.resolve import ResolvedConfig, resolve
+from dstrain.errors import UserError
+
+GiB = 2**30
+ASSUMED_GPU_MEM_GIB = 80  # when estimating GPUs on a machine without one
+
+
+@dataclass
+class Plan:
+    estimates: list
+    recommended: str | None
+    reason: str
+    hardware: object
+    workload: object
+    notes: list[str]
+
+
+def gpt_shape_for(params: float) -> tuple[int, int, int]:
+    """(n_layer, d_model, n_head) of a GPT with about `params` parameters, using the common width to
+    depth ratio of 128 (e.g. 4096/32 in 7B models): P ~ 12 L d^2 with d = 128 L."""
+    d_model = max(128, round((params * 128 / 12) ** (1 / 3) / 128) * 128)
+    n_layer = max(1, round(params / (12 * d_model * d_model)))
+    return n_layer, d_model, d_model // 128
+
+
+def make_plan(config_file: Path | None, sets: list[str], params: float | None, gpus: int | None, nodes: int,
+              gpu_mem_gib: float | None, cpu_mem_gib: float | None, accelerator: str) -> Plan:
+    from dstrain import estimate as E
+
+    notes: list[str] = []
+    hw = E.detect_hardware()
+    if gpus is not None:
+        if hw.accelerator == "cpu" and accelerator == "cuda" and gpu_mem_gib is None:
+            gpu_mem_gib = ASSUMED_GPU_MEM_GIB
+            notes.append(f"no GPU here: assuming {ASSUMED_GPU_MEM_GIB} GiB per GPU (set --gpu-mem)")
+        hw = replace(hw, gpus_per_node=gpus, accelerator=accelerator)
+    hw = replace(hw, nodes=nodes)
+    if gpus is not None and cpu_mem_gib is None:
+        notes.append(f"host RAM: this machine's {hw.cpu_mem_bytes / GiB:.1f} GiB per node (set --cpu-mem)")
+    if gpu_mem_gib is not None:
+        hw = replace(hw, gpu_mem_bytes=int(gpu_mem_gib * GiB))
+    if cpu_mem_gib is not None:
+        hw = replace(hw, cpu_mem_bytes=int(cpu_mem_gib * GiB))
+    world = hw.gpus_per_node * hw.nodes
+
+    extra_sets = list(sets)
+    if params is not None:
+        if params < 1:
+            raise UserError.single(f"must be a positive parameter count (got {params})", "--params", "e.g. --params 7e9")
+        n_layer, d_model, n_head = gpt_shape_for(params)
+        # A hypothetical model: one sequence per GPU unless --set says otherwise (--set comes later, so it wins).
+        extra_sets = [f"model.n_layer={n_layer}", f"model.d_model={d_model}", f"model.n_head={n_head}",
+                      "train.micro_batch_size=1"] + extra_sets
+    names = [n for n in PRESET_ORDER if n in available()]
+    resolved: dict[str, ResolvedConfig] = {n: resolve(n, config_file, extra_sets, world_size=world,
+                                                      accelerator=hw.accelerator) for n in names}
+    base = resolved[names[0]].config
+    if params is not None:
+        total = int(params)
+        largest = max(base.model.vocab_size * base.model.d_model, 4 * base.model.d_model ** 2)
+        notes.append(f"--params {params:.3g}: a GPT of {base.model.n_layer} layers x width {base.model.d_model}, "
+                     f"micro batch {base.train.micro_batch_size} x seq_len {base.data.seq_len}")
+    else:
+        from dstrain.models import model_builder
+        total, largest = E.count_model(model_builder(base))
+    estimates, work = [], None
+    for name, r in resolved.items():  # each preset may switch activation checkpointing on or off
+        ac = r.ds_config.get("activation_checkpointing") or {}
+        cfg = r.config
+        work = E.Workload(params=total, largest_layer_params=largest, n_layer=cfg.model.n_layer,
+                          d_model=cfg.model.d_model, n_head=cfg.model.n_head, seq_len=cfg.data.seq_len,
+                          micro_batch=cfg.train.micro_batch_size,
+                          activation_checkpointing=cfg.train.activation_checkpointing,
+                          cpu_checkpointing=bool(ac.get("cpu_checkpointing")), precision=cfg.train.precision,
+                          vocab_size=cfg.model.vocab_size)
+        estimates.append(E.estimate_one(name, E.placement_from_ds_config(r.ds_config), work, hw))
+    recommended, reason = E.recommend(estimates)
+    return Plan(estimates, recommended, reason, hw, work, notes)
+
+
+def choose_preset(config_file: Path | None, sets: list[str], ranks: int, nodes: int, accelerator: str) -> tuple[str, str]:
+    """`--preset auto`: the fastest preset whose estimate fits this machine, and why."""
+    plan = make_plan(config_file, sets, None, ranks, nodes, None, None, accelerator)
+    if plan.recommended is None:
+        raise UserError.single(plan.reason, "--preset auto", "see `dstrain estimate` for the figures")
+    return plan.recommended, plan.reason
