@@ -29,11 +29,17 @@ def load_entry_point(spec: str, key: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
+        missing = getattr(err, "name", None) or ""
+        if missing and missing != module_name and not module_name.startswith(missing + "."):
+            # the module exists but imports a package that is not installed
+            raise UserError.single(f"importing {module_name!r} failed: {err}", key,
+                                   f"install the package it needs ({missing}) or remove that import") from None
         raise UserError.single(f"cannot import module {module_name!r}: {err}", key,
-                               "check the module name and that it is on PYTHONPATH or in the current directory")
+                               "check the module name and that it is on PYTHONPATH or in the current "
+                               "directory (entry points are imported from where you run dstrain)") from None
     except Exception as err:  # noqa: BLE001 - user code failing at import is still the user's input
         raise UserError.single(f"importing {module_name!r} failed: {type(err).__name__}: {err}", key,
-                               "fix the error in that module")
+                               "fix the error in that module") from None
     func = getattr(module, attr, None)
     if not callable(func):
         raise UserError.single(f"module {module_name!r} has no function {attr!r}", key,

@@ -139,16 +139,8 @@ def _check_runtime(resolved: ResolvedConfig) -> int:
 
 
 def _check_data(resolved: ResolvedConfig) -> None:
-    from dstrain.entrypoints import is_entry_point, load_entry_point
-    from dstrain.data import sources
-    data = resolved.config.data
-    if is_entry_point(data.source):
-        load_entry_point(data.source, "data.source")
-    elif data.source in ("text", "tokens"):
-        sources._expand(data.paths, "data.paths")
-    elif data.source not in ("corpus", "synthetic"):
-        raise UserError.single(f"unknown data source {data.source!r}", "data.source",
-                               "use corpus, synthetic, text, tokens or an entry point 'module:function'")
+    from dstrain.data import check_source
+    check_source(resolved.config)
 
 
 def _default_run_dir(resolved: ResolvedConfig) -> Path:

@@ -57,6 +57,9 @@ def _load_run_dir(run_dir: Path):
 
 def run(run_dir: Path) -> int:
     config, ds_config, launch = _load_run_dir(run_dir)
+    if launch.get("mode") == "eval":  # `dstrain eval` (launch.json of training runs has no mode)
+        from dstrain.evaluate import rank_eval
+        return rank_eval(run_dir, config, ds_config, launch)
     from dstrain.loop import StopRequest
     stop = StopRequest()
     stop.install()  # before the slow start-up, so an early SIGTERM is not lost
@@ -98,6 +101,8 @@ def run(run_dir: Path) -> int:
 
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
+    if config.train.compile:
+        engine.compile()
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
     start_step = 0

@@ -14,12 +14,16 @@ import torch
 
 
 class WindowSampler:
-    """Fixed-length (input, target) windows from a token stream, in a seeded order."""
+    """Fixed-length (input, target) windows from a token stream, in a seeded order.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+    With `vocab_size` set (the built-in GPT), every batch is checked for token ids the model's
+    embedding cannot hold: a clear error instead of an index error (or a CUDA assert) mid-step."""
+
+    def __init__(self, tokens, seq_len: int, seed: int, vocab_size: int | None = None):
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed
+        self.vocab_size = vocab_size
         self.windows = (len(tokens) - 1) // seq_len
         assert self.windows > 0, "the split guarantees at least one window"
         self._perm_epoch = -1
@@ -38,6 +42,12 @@ class WindowSampler:
             start = self._window_of(sample) * self.seq_len
             rows.append(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
         block = torch.from_numpy(np.stack(rows))
+        if self.vocab_size is not None and int(block.max()) >= self.vocab_size:
+            from dstrain.errors import UserError
+            raise UserError.single(f"the data holds token id {int(block.max())}, but model.vocab_size is "
+                                   f"{self.vocab_size}", "model.vocab_size",
+                                   f"set model.vocab_size to at least {int(block.max()) + 1} (the tokenizer's "
+                                   "vocabulary; GPT-2 tokens: 50257, or 50304 rounded up)")
         return block[:, :-1], block[:, 1:]
 
 

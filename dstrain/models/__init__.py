@@ -1,13 +1,20 @@
-"""Model construction: the built-in GPT or a user's entry point ("package.module:function")."""
+"""Model construction: the built-in GPT or a user's entry point ("package.module:function").
+
+The protocol for a user model (docs/your-model-and-data.md): the function, called with
+model.kwargs, returns an nn.Module whose forward takes one batch (exactly what the data source
+yields, moved to the device) and returns the loss as a scalar tensor.
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import nn
 
 from dstrain.config.schema import RunConfig
 from dstrain.entrypoints import load_entry_point
+from dstrain.errors import UserError
 
 
 def model_builder(config: RunConfig) -> Callable[[], nn.Module]:
@@ -17,4 +24,33 @@ def model_builder(config: RunConfig) -> Callable[[], nn.Module]:
         from dstrain.models.gpt import GPT
         return lambda: GPT(m.vocab_size, config.data.seq_len, m.d_model, m.n_layer, m.n_head, m.dropout)
     factory = load_entry_point(m.name, "model.name")
-    return lambda: factory(**m.kwargs)
+
+    def build() -> nn.Module:
+        try:
+            model = factory(**m.kwargs)
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the user's function failing is a problem with their input
+            raise UserError.single(f"calling {m.name}(**model.kwargs) failed: {type(err).__name__}: {err}",
+                                   "model.name / model.kwargs", "check the function and the keys in model.kwargs")
+        if not isinstance(model, nn.Module):
+            raise UserError.single(f"{m.name} returned {type(model).__name__}, not a torch nn.Module", "model.name",
+                                   "return the module itself, e.g. `return MyModel(**kwargs)`")
+        model.register_forward_hook(_check_loss(m.name))
+        return model
+
+    return build
+
+
+def _check_loss(name: str):
+    """A forward hook: the protocol's one rule, that forward returns the loss, checked where it is broken."""
+    def hook(_module, _args, output):
+        if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+            return None
+        got = (f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor)
+               else type(output).__name__)
+        hint = (" (a Hugging Face output: return `outputs.loss`)" if hasattr(output, "loss") else "")
+        raise UserError.single(f"the model's forward returned {got}{hint}, not the loss", f"model.name: {name}",
+                               "forward(batch) must return a scalar floating-point loss tensor, "
+                               "e.g. `return F.cross_entropy(logits.flatten(0, 1), targets.flatten())`")
+    return hook
