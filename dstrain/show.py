@@ -20,14 +20,14 @@ def presets(name: str | None) -> None:
     console = Console(highlight=False)
     if name:
         path = preset_files.preset_path(name)
-        console.print(f"[dim]{path}[/]")
+        console.print(f"[dim]{escape(str(path))}[/]")
         sys.stdout.write(path.read_text())
         return
     table = Table(title="dstrain presets (fastest first; each step down saves memory)", title_justify="left")
     table.add_column("preset", style="bold")
     table.add_column("what it trades")
     for preset in preset_files.available():
-        table.add_row(preset, preset_files.description(preset))
+        table.add_row(Text(preset), Text(preset_files.description(preset)))
     console.print(table)
     console.print("Show one: dstrain presets NAME    Run one: dstrain run --preset NAME")
 

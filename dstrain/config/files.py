@@ -15,6 +15,7 @@ from dstrain.errors import UserError
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 MAX_DEPTH = 32  # far deeper than any real config; keeps deepcopy/merge/flatten clear of RecursionError
+MAX_VALUES = 100_000  # YAML aliases can expand a small file into billions of values ("billion laughs")
 MAX_INT = 2**63  # torch and DeepSpeed count in int64; larger numbers are typos, and Python cannot print >4300 digits
 
 
@@ -65,13 +66,18 @@ def read_mapping(path: Path, what: str) -> dict[str, Any]:
     return plain(data, where)
 
 
-def plain(value: Any, where: str, path: str = "", depth: int = 0) -> Any:
+def plain(value: Any, where: str, path: str = "", depth: int = 0, count: list[int] | None = None) -> Any:
     """`value` as JSON-compatible data: string keys at every depth, dates as ISO strings, finite-size ints.
 
     YAML can produce what DeepSpeed's JSON cannot hold (unquoted dates, !!binary, !!set, 1: keys);
     each is reported with its key path instead of failing later while printing or saving the JSON.
     """
     at = f"{where}: {path}" if path else where
+    count = [0] if count is None else count
+    count[0] += 1
+    if count[0] > MAX_VALUES:
+        raise UserError.single(f"more than {MAX_VALUES:,} values (YAML aliases expanding?)", where,
+                               "write the settings out; a run config holds a few hundred values")
     if depth > MAX_DEPTH:
         raise UserError.single(f"nested more than {MAX_DEPTH} levels deep", at, "flatten the settings")
     if isinstance(value, dict):
@@ -80,10 +86,10 @@ def plain(value: Any, where: str, path: str = "", depth: int = 0) -> Any:
             if not isinstance(key, str):
                 raise UserError.single(f"keys must be strings, found {key!r}", at or where,
                                        f"quote the key: '\"{key}\": ...'")
-            out[key] = plain(sub, where, f"{path}.{key}" if path else key, depth + 1)
+            out[key] = plain(sub, where, f"{path}.{key}" if path else key, depth + 1, count)
         return out
     if isinstance(value, (list, tuple)):  # tuples come from YAML's !!omap / !!pairs
-        return [plain(sub, where, f"{path}[{i}]", depth + 1) for i, sub in enumerate(value)]
+        return [plain(sub, where, f"{path}[{i}]", depth + 1, count) for i, sub in enumerate(value)]
     if isinstance(value, (datetime.date, datetime.datetime)):
         return value.isoformat()  # an unquoted 2024-01-01 was meant as text
     if isinstance(value, bool) or value is None or isinstance(value, (str, float)):

@@ -230,9 +230,11 @@ def _translate_deprecated_zero(zero: dict, merged: Merged, warnings: list[str]) 
                         "in offload_optimizer/offload_param. Write that instead.")
     old16 = "stage3_gather_fp16_weights_on_model_save"
     if old16 in zero:
-        zero["stage3_gather_16bit_weights_on_model_save"] = zero.pop(old16)
+        value = zero.pop(old16)
         src = merged.sources.pop(f"{base}.{old16}", DEFAULT)
-        merged.sources[f"{base}.stage3_gather_16bit_weights_on_model_save"] = src
+        if "stage3_gather_16bit_weights_on_model_save" not in zero:  # the modern spelling wins
+            zero["stage3_gather_16bit_weights_on_model_save"] = value
+            merged.sources[f"{base}.stage3_gather_16bit_weights_on_model_save"] = src
         warnings.append(f"{src.label}: {base}.{old16} is deprecated; read as "
                         "stage3_gather_16bit_weights_on_model_save. Write that instead.")
 
@@ -357,7 +359,8 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
     elif not isinstance(optimizer, dict) or not isinstance(optimizer.get("params") or {}, dict):
         bad = "optimizer" if not isinstance(optimizer, dict) else "optimizer.params"
         problems.append(Problem("must be a mapping", _where(merged, f"deepspeed.{bad}"),
-                                "e.g. optimizer: {type: AdamW, params: {lr: 3.0e-4}}, or remove it to use train.optimizer"))
+                                "e.g. optimizer: {type: AdamW, params: {lr: 3.0e-4}}, "
+                                "or remove it to use train.optimizer"))
     else:
         # A partial section (`--set deepspeed.optimizer.params.lr=...`) still names its optimizer:
         # without "type" DeepSpeed would expect a client optimizer and fail at start.
