@@ -37,8 +37,9 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied: saved once, named twice
         # Frozen weights are stored apart from the optimizer's flat groups.
-        self.frozen_scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM), requires_grad=False)
-        self.register_buffer("position_bias", torch.linspace(-1.0, 1.0, DIM))
+        # Random, not constant: a loader must really restore these to match.
+        self.frozen_scale = nn.Parameter(0.5 + torch.rand(DIM), requires_grad=False)
+        self.register_buffer("position_bias", torch.randn(DIM))
         self.register_buffer("seen_batches", torch.zeros((), dtype=torch.long))
         self.register_buffer("scratch", torch.zeros(3), persistent=False)
 
