@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ from dstrain.hardware import default_ranks_per_node, resolve_accelerator
 from dstrain.worker import RANKS_DIR
 
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
+MULTI_NODE_PORT = 29500  # with --no-ssh every node must agree on the port without talking: a fixed default
 STOP_GRACE_S = 110  # a preempted job must be gone within 120 s; ranks get this long to save
 _RUNNER_NOISE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|DEBUG)\]|Setting accelerator to CPU|"
                            r"Unable to find hostfile|get learning rate from scheduler before it has started")
@@ -97,9 +99,26 @@ def _topology(o: LaunchOptions, accelerator: str) -> tuple[int, int, dict[str, i
     if o.no_ssh and o.node_rank is None and o.nodes > 1:
         raise UserError.single("--no-ssh with several nodes needs this node's rank", "--node-rank",
                                "run once per node with --node-rank 0, 1, ...")
+    if o.node_rank is not None and not o.no_ssh:
+        raise UserError.single("--node-rank is only used with --no-ssh", "--node-rank",
+                               "add --no-ssh (run once per node), or drop --node-rank and let the launcher "
+                               "start every node from the hostfile")
     if o.node_rank is not None and not 0 <= o.node_rank < o.nodes:
         raise UserError.single(f"node rank {o.node_rank} is not in 0..{o.nodes - 1}", "--node-rank",
                                "use 0 for the first node; --nodes gives the count")
+    if o.no_ssh and o.nodes > 1 and not o.master_addr:
+        raise UserError.single("--no-ssh with several nodes needs the address of node rank 0", "--master-addr",
+                               "give the same --master-addr (node 0's IP or hostname) on every node")
+    if o.include and o.exclude:
+        raise UserError.single("--include and --exclude cannot be combined", "--include/--exclude",
+                               "use one of them")
+    if (o.include or o.exclude) and (o.gpus is not None or o.nodes > 1):
+        raise UserError.single("--include/--exclude choose the hosts and slots: DeepSpeed refuses them with "
+                               "--gpus/--nodes", "--include/--exclude", "drop --gpus and --nodes")
+    if o.nodes > 1 and not o.hostfile and not o.no_ssh:
+        raise UserError.single(f"--nodes {o.nodes} needs the hosts to start", "--nodes",
+                               "give --hostfile (one 'host slots=N' line per node), or run dstrain once per "
+                               "node with --no-ssh --node-rank R --master-addr ADDR")
     hosts = read_hostfile(o.hostfile) if o.hostfile else None
     nodes = o.nodes
     if hosts and nodes == 1 and not o.no_ssh:
@@ -109,6 +128,38 @@ def _topology(o: LaunchOptions, accelerator: str) -> tuple[int, int, dict[str, i
                                "add hosts or lower --nodes")
     ranks = o.gpus or (min(hosts.values()) if hosts else default_ranks_per_node(accelerator))
     return ranks, nodes, hosts
+
+
+def _active_hosts(o: LaunchOptions, ranks: int, nodes: int, hosts: dict[str, int] | None,
+                  accelerator: str) -> dict[str, int]:
+    """Host -> ranks it runs, in node-rank order, as the deepspeed runner will work it out from the
+    same flags. The world size is the sum; --include/--exclude make it differ from ranks x nodes."""
+    if not (o.include or o.exclude):
+        if hosts:
+            return {host: ranks for host in list(hosts)[:nodes]}
+        return {f"node{i}": ranks for i in range(nodes)}  # one node, or the --no-ssh synthetic hostfile
+    pool = hosts or {"localhost": default_ranks_per_node(accelerator)}
+    from deepspeed.launcher.runner import parse_inclusion_exclusion
+    flag = "--include" if o.include else "--exclude"
+    try:
+        active = parse_inclusion_exclusion(pool, o.include or "", o.exclude or "")
+    except ValueError as err:
+        raise UserError.single(str(err), f"{flag} {o.include or o.exclude}",
+                               "name hosts of the hostfile and slots below their slots=N, e.g. 'worker-0:0,1@worker-1'")
+    active = {host: len(slots) for host, slots in active.items() if slots}
+    if not active:
+        raise UserError.single("no host or slot is left to run on", f"{flag} {o.include or o.exclude}",
+                               "leave at least one slot")
+    return active
+
+
+def _own_ranks(o: LaunchOptions, active: dict[str, int]) -> range | None:
+    """The global ranks this `dstrain run` starts: with --no-ssh, only this node's; otherwise all (None)."""
+    if not o.no_ssh:
+        return None
+    counts = list(active.values())
+    first = sum(counts[:o.node_rank or 0])
+    return range(first, first + counts[o.node_rank or 0])
 
 
 def _free_port() -> int:
@@ -161,7 +212,7 @@ def _prepare_run_dir(run_dir: Path, resuming: bool) -> None:
                                "choose a writable directory with free space")
 
 
-def _write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: dict) -> None:
+def _write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: dict, own_ranks: range | None = None) -> None:
     from dstrain.checkpoint import write_atomic
     config = resolved.config.model_dump(mode="json")
     secrets = {path: value for path, value in flatten(resolved.ds_config).items()
@@ -176,18 +227,31 @@ def _write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: dict) -
             secret_file.chmod(0o600)
         (run_dir / RANKS_DIR).mkdir(exist_ok=True)
         for stale in (run_dir / RANKS_DIR).glob("rank*"):
-            stale.unlink()
+            # With --no-ssh, other nodes sharing this directory may already have started: their
+            # records are theirs to replace. Ranks past the new world size belong to no node.
+            rank = int(stale.name[4:].split(".")[0])
+            if own_ranks is None or rank in own_ranks or rank >= launch_info["world_size"]:
+                stale.unlink(missing_ok=True)
     except OSError as err:
         raise UserError.single(f"cannot write the run directory: {err.strerror}", f"--run-dir {run_dir}",
                                "choose a writable directory with free space")
+
+
+def _universal_copy(checkpoints: Path, tag: str, run_dir: Path) -> Path:
+    """The universal form of one checkpoint, converted on first use and reused after."""
+    from dstrain.convert import to_universal
+    target = (run_dir / "universal").resolve()
+    if not (target / tag).is_dir():
+        Console(highlight=False).print(f"converting {tag} to a universal checkpoint in {target} ...")
+        to_universal(checkpoints, target, tag=tag)
+    return target
 
 
 def _runner_command(o: LaunchOptions, ranks: int, nodes: int, run_dir: Path, port: int) -> list[str]:
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
     hostfile = o.hostfile
     if o.no_ssh and nodes > 1 and hostfile is None:
-        hostfile = run_dir / "hostfile"  # --no-ssh only needs the shape of the job: one line per node
-        hostfile.write_text("".join(f"node{i} slots={ranks}\n" for i in range(nodes)))
+        hostfile = run_dir / SYNTHETIC_HOSTFILE  # written by launch(); see _write_synthetic_hostfile
     cmd += ["--hostfile", str(hostfile) if hostfile else str(run_dir / "no-hostfile")]
     if o.include or o.exclude:
         cmd += ["--include", o.include] if o.include else ["--exclude", o.exclude]
@@ -204,6 +268,16 @@ def _runner_command(o: LaunchOptions, ranks: int, nodes: int, run_dir: Path, por
         cmd += ["--log_level", "warning"]
     # The run directory is the only argument, positional: the runner never mistakes it for a flag.
     return cmd + ["--module", "dstrain.worker", str(run_dir.resolve())]
+
+
+SYNTHETIC_HOSTFILE = "hostfile"
+
+
+def _write_synthetic_hostfile(run_dir: Path, ranks: int, nodes: int) -> None:
+    """--no-ssh without --hostfile: the runner only needs the job's shape, one line per node. Every
+    node writes the same text; atomically, since another node's runner may be reading it."""
+    from dstrain.checkpoint import write_atomic
+    write_atomic(run_dir / SYNTHETIC_HOSTFILE, "".join(f"node{i} slots={ranks}\n" for i in range(nodes)))
 
 
 def _rank_env(accelerator: str, ranks: int) -> dict[str, str]:
@@ -225,8 +299,13 @@ def launch(o: LaunchOptions) -> int:
     os.environ["DS_ACCELERATOR"] = accelerator  # DeepSpeed, imported for the checks below, asks no more
     if o.accelerator not in ("auto", "cuda", "cpu"):
         raise UserError.single(f"unknown accelerator {o.accelerator!r}", "--accelerator", "use auto, cuda or cpu")
-    ranks, nodes, _ = _topology(o, accelerator)
-    world = ranks * nodes
+    ranks, nodes, hosts = _topology(o, accelerator)
+    active = _active_hosts(o, ranks, nodes, hosts, accelerator)
+    world = sum(active.values())
+    own_ranks = _own_ranks(o, active)
+    if o.launcher and len(active) == 1:
+        console.print(f"[yellow]warning:[/] --launcher {o.launcher} is not used: one node runs locally "
+                      "(the launcher starts several nodes from a --hostfile)", soft_wrap=True)
     preset = o.preset
     if preset and preset.strip().lower() == "auto":
         from dstrain.planner import choose_preset
@@ -245,10 +324,13 @@ def launch(o: LaunchOptions) -> int:
         if saved_hash and saved_hash != resolved.config_hash():
             raise UserError.single(f"checkpoint {found.tag} was saved with a different model/data config",
                                    f"--resume {o.resume}", "resume with the model section it was trained with")
-        if found.world_size != world:
-            raise UserError.single(f"checkpoint {found.tag} was saved by {found.world_size} ranks, this run has {world}",
-                                   f"--resume {o.resume}", f"run with {found.world_size} ranks (--gpus/--nodes)")
-        resume_info = {"directory": str(found.directory.resolve()), "tag": found.tag, "step": found.step}
+        resume_info = {"directory": str(found.directory.resolve()), "tag": found.tag, "step": found.step,
+                       "universal": found.world_size != world}
+        if resume_info["universal"]:
+            # ZeRO shards are cut for one world size: reshape through DeepSpeed's universal checkpoint.
+            notes.append(f"{found.tag} was saved by {found.world_size} ranks and this run has {world}: "
+                         "resuming through a universal checkpoint (converted once, kept under universal/)")
+            resolved.ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
     from dstrain.show import plan_lines
     for line in plan_lines(resolved.config, resolved.ds_config, world, accelerator, resolved.preset, params):
@@ -257,26 +339,34 @@ def launch(o: LaunchOptions) -> int:
         console.print(f"[yellow]note:[/] {note}")
     if resume_info:
         console.print(f"resume: {resume_info['tag']} (step {resume_info['step']}) from {resume_info['directory']}")
-    port = o.master_port or _free_port()
+    port = o.master_port or (MULTI_NODE_PORT if o.no_ssh and nodes > 1 else _free_port())
     if o.dry_run:
         console.print(f"run directory: {run_dir} (not written: --dry-run)")
-        console.print("would run: " + " ".join(_runner_command(o, ranks, nodes, Path(run_dir), port)[3:]))
+        console.print("would run: " + shlex.join(_runner_command(o, ranks, nodes, Path(run_dir), port)), soft_wrap=True)
         return 0
 
     _prepare_run_dir(run_dir, resuming=resume_info is not None)
+    if resume_info and resume_info["universal"]:
+        resume_info["directory"] = str(_universal_copy(Path(resume_info["directory"]), resume_info["tag"], run_dir))
     launch_info = {"resume": resume_info, "verbose": o.verbose, "preset": resolved.preset, "world_size": world,
                    "config_hash": resolved.config_hash(), "dstrain_version": __version__, "accelerator": accelerator}
-    _write_run_dir(run_dir, resolved, launch_info)
+    _write_run_dir(run_dir, resolved, launch_info, own_ranks)
+    if o.no_ssh and nodes > 1 and o.hostfile is None:
+        _write_synthetic_hostfile(run_dir, ranks, nodes)
     console.print(f"run directory: {run_dir}")
     command = _runner_command(o, ranks, nodes, run_dir, port)
-    return supervise(command, _rank_env(accelerator, ranks), run_dir, o.verbose, console)
+    return supervise(command, _rank_env(accelerator, max(active.values())), run_dir, o.verbose, console, own_ranks)
 
 
 # ---------------------------------------------------------------- supervising the ranks
 
-def _local_rank_pids(run_dir: Path) -> dict[int, int]:
+def _local_rank_pids(run_dir: Path, own_ranks: range | None = None) -> dict[int, int]:
+    """rank -> pid of the live ranks on this machine; with own_ranks, only those (other nodes sharing
+    the run directory, even on this machine, are supervised by their own `dstrain run`)."""
     pids = {}
     for pid_file in (run_dir / RANKS_DIR).glob("rank*.pid"):
+        if own_ranks is not None and int(pid_file.name[4:-4]) not in own_ranks:
+            continue
         try:
             pid = int(pid_file.read_text())
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -287,8 +377,8 @@ def _local_rank_pids(run_dir: Path) -> dict[int, int]:
     return pids
 
 
-def _stop_ranks(run_dir: Path, sig: int) -> None:
-    for pid in _local_rank_pids(run_dir).values():
+def _stop_ranks(run_dir: Path, sig: int, own_ranks: range | None = None) -> None:
+    for pid in _local_rank_pids(run_dir, own_ranks).values():
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -310,7 +400,8 @@ def failure_report(run_dir: Path, alive: set[int]) -> list[str]:
     return [("" if i == 0 else "  then ") + f"rank {r}: {text}" for i, (_, r, text) in enumerate(failed)]
 
 
-def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: bool, console: Console) -> int:
+def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: bool, console: Console,
+              own_ranks: range | None = None) -> int:
     """Run the deepspeed runner, filter its chatter, forward SIGTERM/SIGINT to the ranks (which save
     and stop), and name the failed rank if the job fails. Returns the exit code."""
     # A new session: Ctrl-C reaches only us, and we ask the ranks to stop cleanly instead of
@@ -325,7 +416,7 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
             console.print(f"\n{signal.Signals(signum).name}: asking the ranks to save a checkpoint and stop")
             deadline.append(time.monotonic() + STOP_GRACE_S)
         received.append(signum)
-        _stop_ranks(run_dir, signal.SIGTERM)
+        _stop_ranks(run_dir, signal.SIGTERM, own_ranks)
 
     def pump() -> None:
         for line in process.stdout:
@@ -346,8 +437,8 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        alive = set(_local_rank_pids(run_dir))
-        _stop_ranks(run_dir, signal.SIGKILL)  # no orphan rank outlives the job
+        alive = set(_local_rank_pids(run_dir, own_ranks))
+        _stop_ranks(run_dir, signal.SIGKILL, own_ranks)  # no orphan rank outlives the job
         reader.join(timeout=5)
         for s, handler in previous.items():
             signal.signal(s, handler)

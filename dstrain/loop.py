@@ -74,19 +74,24 @@ def _to_device(batch, device):
 
 
 def evaluate(engine, config: RunConfig, eval_sampler, device) -> float:
-    """Mean held-out loss over eval_batches micro batches per rank, averaged over ranks."""
+    """Mean held-out loss over the first eval_batches x global_batch_size held-out samples.
+
+    The sample set depends on the global batch, not on the world size, so a run resumed with
+    another number of ranks (same global batch) evaluates the same samples; each rank takes a
+    contiguous share in micro batches."""
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = config.train.micro_batch_size
+    per_rank = config.train.eval_batches * config.train.global_batch_size // world
+    batches = per_rank // micro
     engine.eval()
     total = torch.zeros((), device=device)
     with torch.no_grad():
-        for i in range(config.train.eval_batches):
-            batch = eval_sampler.batch((i * world + rank) * micro, micro)
+        for i in range(batches):
+            batch = eval_sampler.batch(rank * per_rank + i * micro, micro)
             total += engine(_to_device(batch, device)).float()
     engine.train()
-    total /= config.train.eval_batches
     dist.all_reduce(total)
-    return total.item() / world
+    return total.item() / (batches * world)
 
 
 def train(engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler, start_step: int,

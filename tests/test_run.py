@@ -85,3 +85,23 @@ def test_the_default_job_loss_falls(tmp_path):
     steps = losses(run_dir)
     assert steps[30] < steps[5] - 0.3, steps
     assert "batch: micro 4 x grad accum 1 x world 2 = 8 sequences" in result.stdout
+
+
+def test_resume_with_another_world_size_goes_through_a_universal_checkpoint(tmp_path):
+    """Saved by 2 ranks, resumed by 1 (same global batch: accum 2) and by 2: both continue alike."""
+    base = tmp_path / "base"
+    common = ("train.save_every=4", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=2")
+    assert_ok(run_tiny(base, "stage2", "train.max_steps=4", *common))
+    two, one = tmp_path / "two", tmp_path / "one"
+    import shutil
+    shutil.copytree(base, two)
+    shutil.copytree(base, one)
+    assert_ok(run_tiny(two, "stage2", "train.max_steps=6", *common, resume="latest"))
+    resumed = run_tiny(one, "stage2", "train.max_steps=6", "train.grad_accum_steps=2", *common,
+                       resume="latest", gpus=1)
+    assert_ok(resumed)
+    assert "universal checkpoint" in resumed.stdout
+    assert (one / "universal" / "step00000004").is_dir()
+    a, b = losses(one), losses(two)
+    for step in (5, 6):
+        assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])

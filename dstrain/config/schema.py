@@ -110,7 +110,7 @@ class TrainConfig(Section):
     eval_every: PositiveInt = 100
     """Evaluate on the held-out split every this many steps, and at the end."""
     eval_batches: PositiveInt = 8
-    """Micro batches per rank in one evaluation."""
+    """Global batches of held-out samples in one evaluation (the same samples whatever the world size)."""
     save_every: PositiveInt = 100
     """Save a checkpoint every this many steps, and at the end."""
     keep_last: PositiveInt = 2
