@@ -51,7 +51,9 @@ def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(tmp_path, preset
 
 def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
     interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
-    common = ("train.save_every=4", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=2")
+    # A constant schedule after warmup: a cosine decay would (rightly) change shape with max_steps.
+    common = ("train.save_every=4", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=2",
+              "train.schedule=constant")
     assert_ok(run_tiny(interrupted, "stage2", "train.max_steps=8", *common))
     resumed = run_tiny(interrupted, "stage2", "train.max_steps=12", *common, resume="latest")
     assert_ok(resumed)
@@ -90,7 +92,8 @@ def test_the_default_job_loss_falls(tmp_path):
 def test_resume_with_another_world_size_goes_through_a_universal_checkpoint(tmp_path):
     """Saved by 2 ranks, resumed by 1 (same global batch: accum 2) and by 2: both continue alike."""
     base = tmp_path / "base"
-    common = ("train.save_every=4", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=2")
+    common = ("train.save_every=4", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=2",
+              "train.schedule=constant")
     assert_ok(run_tiny(base, "stage2", "train.max_steps=4", *common))
     two, one = tmp_path / "two", tmp_path / "one"
     import shutil
