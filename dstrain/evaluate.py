@@ -4,9 +4,9 @@ The ranks start exactly as for `dstrain run` (the deepspeed launcher, `dstrain.w
 supervision), but in a directory of their own, RUN_DIR/eval/: evaluating never rewrites the run's
 files or touches its rank records, so it can run while training goes on. The worker sees
 `"mode": "eval"` in that directory's launch.json and calls `rank_eval` below, which loads the
-checkpoint and runs `loop.evaluate` over the configured eval set (train.eval_batches micro batches
-per rank: the very samples the train loop evaluates on, so the number is comparable with the
-eval_loss in metrics.jsonl). Rank 0 prints the result and writes RUN_DIR/eval.json.
+checkpoint and runs `loop.evaluate` over the configured eval set (train.eval_batches global batches
+of held-out samples: the very samples the train loop evaluates on, so the number equals the
+eval_loss in metrics.jsonl at that step). Rank 0 prints the result and writes RUN_DIR/eval.json.
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ def evaluate_run(run_dir: Path, resume: str, accelerator: str, verbose: bool) ->
     write_atomic(eval_dir / "launch.json", json.dumps(launch_info, indent=2))
     (run_dir / RESULT).unlink(missing_ok=True)  # a result left from an earlier evaluation must not pass for this one
 
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    train = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]
     console.print(f"evaluating {found.tag} (step {found.step}) of {run_dir}: preset {saved.get('preset') or '(none)'}, "
-                  f"{world} ranks on {acc}, {config['train']['eval_batches']} micro batches of "
-                  f"{config['train']['micro_batch_size']} per rank", soft_wrap=True)
+                  f"{world} ranks on {acc}, {train['eval_batches']} x {train['global_batch_size']} held-out samples",
+                  soft_wrap=True)
     options = LaunchOptions(gpus=world, nodes=1, accelerator=acc, verbose=verbose)
     command = _runner_command(options, world, 1, eval_dir, _free_port())
     code = supervise(command, _rank_env(acc, world), eval_dir, verbose, console)
@@ -136,9 +136,10 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     loss = evaluate(engine, config, eval_sampler, device)
     if rank == 0:
         t = config.train
+        samples = (t.eval_batches * t.global_batch_size // world // t.micro_batch_size) * t.micro_batch_size * world
         result = {"step": checkpoint["step"], "tag": checkpoint["tag"], "eval_loss": loss,
                   "perplexity": math.exp(loss) if loss < 700 else None,  # exp overflows: JSON has no inf
-                  "eval_batches": t.eval_batches, "samples": t.eval_batches * t.micro_batch_size * world,
+                  "eval_batches": t.eval_batches, "samples": samples,  # as loop.evaluate counts them
                   "world_size": world, "checkpoint": str(Path(checkpoint["directory"]) / checkpoint["tag"])}
         write_atomic(Path(launch["output"]), json.dumps(result, indent=2) + "\n")
         perplexity = f"{result['perplexity']:.3f}" if result["perplexity"] is not None else "overflow"

@@ -8,6 +8,7 @@ anything is written or spawned, so a typo costs seconds, not a GPU allocation.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -33,6 +34,9 @@ from dstrain.hardware import default_ranks_per_node, resolve_accelerator
 from dstrain.worker import RANKS_DIR
 
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
+# DeepSpeed's MPI backends run every slot of every hostfile host: they refuse --num_gpus/--num_nodes
+# and --include/--exclude, and their ranks find each other through mpi4py.
+MPI_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich")
 MULTI_NODE_PORT = 29500  # with --no-ssh every node must agree on the port without talking: a fixed default
 STOP_GRACE_S = 110  # a preempted job must be gone within 120 s; ranks get this long to save
 _RUNNER_NOISE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|DEBUG)\]|Setting accelerator to CPU|"
@@ -119,6 +123,10 @@ def _topology(o: LaunchOptions, accelerator: str) -> tuple[int, int, dict[str, i
         raise UserError.single(f"--nodes {o.nodes} needs the hosts to start", "--nodes",
                                "give --hostfile (one 'host slots=N' line per node), or run dstrain once per "
                                "node with --no-ssh --node-rank R --master-addr ADDR")
+    if o.launcher in MPI_LAUNCHERS and o.hostfile and (o.gpus is not None or o.nodes > 1 or o.include or o.exclude):
+        raise UserError.single(f"the {o.launcher} launcher runs every slot of every host in the hostfile; DeepSpeed "
+                               "refuses --gpus/--nodes/--include/--exclude with it", f"--launcher {o.launcher}",
+                               "write the hosts and slots=N to use in the hostfile, and drop those flags")
     hosts = read_hostfile(o.hostfile) if o.hostfile else None
     nodes = o.nodes
     if hosts and nodes == 1 and not o.no_ssh:
@@ -134,6 +142,8 @@ def _active_hosts(o: LaunchOptions, ranks: int, nodes: int, hosts: dict[str, int
                   accelerator: str) -> dict[str, int]:
     """Host -> ranks it runs, in node-rank order, as the deepspeed runner will work it out from the
     same flags. The world size is the sum; --include/--exclude make it differ from ranks x nodes."""
+    if hosts and o.launcher in MPI_LAUNCHERS:
+        return dict(hosts)
     if not (o.include or o.exclude):
         if hosts:
             return {host: ranks for host in list(hosts)[:nodes]}
@@ -255,7 +265,7 @@ def _runner_command(o: LaunchOptions, ranks: int, nodes: int, run_dir: Path, por
     cmd += ["--hostfile", str(hostfile) if hostfile else str(run_dir / "no-hostfile")]
     if o.include or o.exclude:
         cmd += ["--include", o.include] if o.include else ["--exclude", o.exclude]
-    else:
+    elif not (o.launcher in MPI_LAUNCHERS and hostfile):
         cmd += ["--num_gpus", str(ranks), "--num_nodes", str(nodes)]
     cmd += ["--master_port", str(port)]
     if o.master_addr:
@@ -267,10 +277,13 @@ def _runner_command(o: LaunchOptions, ranks: int, nodes: int, run_dir: Path, por
     if not o.verbose:
         cmd += ["--log_level", "warning"]
     # The run directory is the only argument, positional: the runner never mistakes it for a flag.
-    return cmd + ["--module", "dstrain.worker", str(run_dir.resolve())]
+    # DeepSpeed's slurm backend drops --module (it runs `python -u SCRIPT`), so it gets the file.
+    worker = [WORKER_FILE] if o.launcher == "slurm" else ["--module", "dstrain.worker"]
+    return cmd + worker + [str(run_dir.resolve())]
 
 
 SYNTHETIC_HOSTFILE = "hostfile"
+WORKER_FILE = str(Path(__file__).resolve().parent / "worker.py")
 
 
 def _write_synthetic_hostfile(run_dir: Path, ranks: int, nodes: int) -> None:
@@ -306,6 +319,9 @@ def launch(o: LaunchOptions) -> int:
     if o.launcher and len(active) == 1:
         console.print(f"[yellow]warning:[/] --launcher {o.launcher} is not used: one node runs locally "
                       "(the launcher starts several nodes from a --hostfile)", soft_wrap=True)
+    elif o.launcher in (*MPI_LAUNCHERS, "slurm") and importlib.util.find_spec("mpi4py") is None:
+        console.print(f"[yellow]warning:[/] ranks started by {o.launcher} find each other through mpi4py, which is "
+                      "not installed here: pip install mpi4py (on every node)", soft_wrap=True)
     preset = o.preset
     if preset and preset.strip().lower() == "auto":
         from dstrain.planner import choose_preset
@@ -372,7 +388,7 @@ def _local_rank_pids(run_dir: Path, own_ranks: range | None = None) -> dict[int,
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if b"dstrain.worker" in cmdline:
+        if b"dstrain.worker" in cmdline or b"dstrain/worker.py" in cmdline:
             pids[int(pid_file.name[4:-4])] = pid
     return pids
 

@@ -17,11 +17,19 @@ import traceback
 import warnings
 from pathlib import Path
 
+if __name__ == "__main__" and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    # Run as a file (DeepSpeed's slurm backend has no -m): dstrain/ itself must not shadow
+    # top-level modules, e.g. a user's `models` or `data` named in an entry point.
+    sys.path.pop(0)
+
 RANKS_DIR = "ranks"
+# Ranks started by mpirun or srun learn RANK only inside deepspeed.init_distributed; the rank
+# records written before that read the launcher's own variable.
+_RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 
 
 def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    return int(next((os.environ[v] for v in _RANK_VARIABLES if v in os.environ), "0"))
 
 
 def record(run_dir: Path, name: str, text: str) -> None:
