@@ -1,0 +1,626 @@
+"""GPU benchmark suite: one GPT trained three ways on the same data, in one command.
+
+Runners (each row is a fresh process, so peak memory and start-up are its own):
+  torch      plain PyTorch: fp32 weights, autocast bf16, torch.optim.AdamW(fused=True), clipping,
+             DDP on several GPUs. The reference.
+  deepspeed  a hand-written DeepSpeed loop, given exactly the DeepSpeed JSON that dstrain renders
+             for the preset (`dstrain.config.resolve.resolve`, the code behind
+             `dstrain config --deepspeed-json`): deepspeed.initialize, engine(batch), engine.backward,
+             engine.step. It mirrors the dstrain settings that live outside that JSON
+             (train.activation_checkpointing, train.compile).
+  dstrain    `python -m dstrain.cli run --preset P --gpus N` (the real launcher and worker).
+
+All three train dstrain's built-in GPT (dstrain/models/gpt.py) on the same synthetic token batches
+(dstrain.data.sampler.SyntheticSampler, same seed) with the same hyper-parameters and LR schedule.
+
+How throughput is measured, identically for every runner: the loop logs every --log-every steps
+and waits for the device only there (loss.item(), as dstrain's loop does); an interval's time is
+the host clock between two log points, its tokens/s = global batch x seq_len x steps / seconds.
+A row's tokens/s is the median over the intervals that start at or after --warmup steps. For
+dstrain these intervals are read from metrics.jsonl (tokens_per_s per log interval); its final
+evaluation and checkpoint come after the last log point and are outside every interval.
+
+  TFLOP/s per GPU = tokens/s x flops_per_token / GPUs / 1e12, with flops_per_token from
+  dstrain.models.gpt.flops_per_token: 6 x (params - embedding params) + 12 x layers x width x seq_len
+  (no recomputation counted: activation checkpointing lowers this number, it does not raise it).
+  peak_gpu_gib: torch.cuda.max_memory_allocated of rank 0 at the end of training.
+  host_rss_gib: peak resident set of the largest process of the row (a rank, normally), from wait4.
+  first_step_s: from starting the row's command to the end of step 1, estimated as the end of the
+  first log interval minus (its steps - 1) x the median step time.
+
+Examples:
+  python3 benchmarks/suite.py                                      # 406M GPT, 1 GPU, every preset
+  python3 benchmarks/suite.py --gpus 2 --presets stage1,stage2,stage3
+  python3 benchmarks/suite.py --n-layer 12 --d-model 768 --n-head 12 --micro-batch 16
+  python3 benchmarks/suite.py --runners deepspeed --presets stage1 --profile \\
+      --variant "before=deepspeed.timers.throughput.enabled=true;deepspeed.bf16.check_grad_overflow=true"
+  python3 benchmarks/suite.py --presets stage1 --variant "compile@torch,deepspeed,dstrain=train.compile=true;+compile"
+  python3 benchmarks/suite.py --accelerator cpu --n-layer 2 --d-model 64 --n-head 2 --seq-len 32 \\
+      --vocab-size 256 --micro-batch 2 --steps 6 --log-every 2 --warmup 2    # CPU smoke test
+  python3 benchmarks/suite.py merge A.json B.json -o benchmarks/results/2026-11-22-h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the suite runs from a source checkout, installed or not
+
+_RUNNING: list[int] = []  # the row command in flight, killed with its tree if the suite is stopped
+
+PRESETS = ("stage1", "stage2", "stage2_offload", "stage3", "stage3_offload", "stage3_nvme")
+SLOW = {"stage2_offload": 2, "stage3_offload": 2, "stage3_nvme": 5}  # fewer steps: seconds per step
+
+
+# ------------------------------------------------------------------------------------ rank side
+
+def _to_device(batch, device):
+    import torch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    return type(batch)(_to_device(b, device) for b in batch)
+
+
+def _lr_ratio(update: int, sched: dict) -> float:
+    """DeepSpeed's WarmupCosineLR as the engine applies it: update n uses the ratio of iteration
+    n - 1 (0 before the first scheduler step), linear warmup then cosine to cos_min_ratio."""
+    it = update - 1
+    if it < 0:
+        return 0.0
+    warmup = max(2, sched["warmup_num_steps"])
+    if it < warmup:
+        return sched["warmup_min_ratio"] + it / warmup * (1.0 - sched["warmup_min_ratio"])
+    import math
+    progress = min(1.0, (it - warmup + 1) / max(1, sched["total_num_steps"] - warmup))
+    return max(0.0, sched["cos_min_ratio"] + (1.0 - sched["cos_min_ratio"]) * (1 + math.cos(math.pi * progress)) / 2)
+
+
+def _torch_step(config, device, world: int, local_rank: int, compile_model: bool):
+    """Plain PyTorch: fp32 weights, autocast bf16, fused AdamW, clipping, DDP when world > 1."""
+    import torch
+    from dstrain.models import model_builder
+    model = model_builder(config)().to(device)
+    params = list(model.parameters())
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    if compile_model:
+        model = torch.compile(model)
+    t = config.train
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
+                            fused=device.type == "cuda")
+    sched = config.deepspeed["scheduler"]["params"]
+    if config.deepspeed["scheduler"]["type"] != "WarmupCosineLR":
+        raise SystemExit("the torch runner mirrors WarmupCosineLR only (train.schedule=cosine)")
+    bf16 = t.precision == "bf16"
+    updates = [0]
+
+    def step(batch):
+        for group in opt.param_groups:
+            group["lr"] = t.lr * _lr_ratio(updates[0], sched)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(batch)
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        updates[0] += 1
+        return loss
+    return step
+
+
+def _deepspeed_step(config, ds_config: dict):
+    """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it."""
+    import deepspeed
+    from dstrain.models import model_builder
+    build = model_builder(config)
+    if (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = build()
+    else:
+        model = build()
+    if config.train.activation_checkpointing:
+        ac = ds_config.get("activation_checkpointing") or {}
+        deepspeed.checkpointing.configure(
+            None, partition_activations=ac.get("partition_activations", False),
+            contiguous_checkpointing=ac.get("contiguous_memory_optimization", False),
+            checkpoint_in_cpu=ac.get("cpu_checkpointing", False),
+            synchronize=ac.get("synchronize_checkpoint_boundary", False))
+        model.enable_checkpointing(deepspeed.checkpointing.checkpoint)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    if config.train.compile:
+        engine.compile()
+
+    def step(batch):
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step, engine
+
+
+def _profile(step_fn, next_batch, device, steps: int) -> dict:
+    """torch.profiler over `steps` steps (after the measured loop: nothing left to warm up): the top
+    operators by device and by host time, and the device's kernel time per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step_fn(next_batch())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    from torch.autograd import DeviceType
+    kernel_us = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
+    by_device = averages.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                               row_limit=25, max_name_column_width=60)
+    by_host = averages.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
+    return {"kernel_ms_per_step": kernel_us / 1000 / steps, "top_device": by_device, "top_host": by_host}
+
+
+def _run_dstrain_loop(engine, config, run_dir: Path, train_sampler, eval_sampler, device, rank: int,
+                      world: int) -> list[dict]:
+    """Diagnostic (+dstrain_loop): this process's engine driven by dstrain's own train loop, which
+    separates the cost of dstrain's loop from that of its launcher and worker start-up."""
+    from dstrain.loop import StopRequest, train
+    from dstrain.metrics import MetricsLog
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    t = config.train
+    metrics = MetricsLog(run_dir, rank == 0, t.max_steps, t.global_batch_size * config.data.seq_len, 1.0, world, device)
+    train(engine, config, run_dir, train_sampler, eval_sampler, 0, metrics, device, lambda step: {"step": step},
+          StopRequest())
+    return _dstrain_intervals(run_dir) if rank == 0 else []
+
+
+def worker(spec_path: Path) -> int:
+    """One rank of a torch or deepspeed row, started by torch.distributed.run."""
+    spec = json.loads(spec_path.read_text())
+    import torch
+    import torch.distributed as dist
+    from dstrain.config.schema import RunConfig
+    from dstrain.data import build_samplers
+    from dstrain.data.sampler import rank_batch
+
+    config = RunConfig.model_validate(spec["config"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = spec["accelerator"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    import random
+    import numpy as np
+    random.seed(config.train.seed)  # as dstrain's worker seeds: same initial weights everywhere
+    np.random.seed(config.train.seed)
+    torch.manual_seed(config.train.seed)
+
+    if spec["runner"] == "torch":
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        step_fn = _torch_step(config, device, dist.get_world_size(), local_rank, spec.get("torch_compile", False))
+    else:
+        import deepspeed
+        deepspeed.init_distributed()
+        step_fn, engine = _deepspeed_step(config, spec["ds_config"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_sampler, eval_sampler = build_samplers(config)
+    t = config.train
+    if spec.get("dstrain_loop"):
+        intervals = _run_dstrain_loop(engine, config, Path(spec["result_path"]).with_suffix(".run"),
+                                      train_sampler, eval_sampler, device, rank, world)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+        if rank == 0:
+            Path(spec["result_path"]).write_text(json.dumps({"intervals": intervals, "peak_gpu_gib": peak}))
+        dist.barrier()
+        return 0
+
+    # The measured loop: what dstrain's loop does between log points, minus its stop vote.
+    intervals = []
+    loss_sum = torch.zeros((), device=device)
+    start, steps_in = time.perf_counter(), 0
+    for step in range(t.max_steps):
+        batch = rank_batch(train_sampler, step, 0, rank, world, t.micro_batch_size, 1)
+        loss = step_fn(_to_device(batch, device))
+        loss_sum += loss.detach().float()
+        steps_in += 1
+        if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
+            dist.all_reduce(loss_sum)
+            loss_value = loss_sum.item() / (world * steps_in)
+            elapsed = time.perf_counter() - start
+            intervals.append({"step": step + 1, "steps": steps_in, "seconds": elapsed, "loss": loss_value,
+                              "time": time.time()})
+            loss_sum.zero_()
+            start, steps_in = time.perf_counter(), 0
+    peak_gpu = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+
+    result = {"intervals": intervals, "peak_gpu_gib": peak_gpu}
+    if spec.get("profile"):
+        counter = iter(range(t.max_steps, 10**9))
+        result["profile"] = _profile(
+            step_fn, lambda: _to_device(rank_batch(train_sampler, next(counter), 0, rank, world,
+                                                   t.micro_batch_size, 1), device), device, 4)
+    if rank == 0:
+        Path(spec["result_path"]).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------------------- driver side
+
+def _device_info(accelerator: str) -> tuple[str, str, int]:
+    """(name, short name for file names, GPU count), without creating a CUDA context here."""
+    if accelerator == "cpu":
+        return f"CPU ({os.cpu_count()} cores)", "cpu", 0
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    name = out[0].split(",")[0].strip()
+    match = re.search(r"([A-Z]\d{2,3}[A-Z]?)\b", name)
+    short = (match.group(1) if match else re.sub(r"\W+", "-", name)).lower()
+    return f"{len(out)} x {name} ({out[0].split(',')[1].strip()}, driver {out[0].split(',')[2].strip()})", short, len(out)
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "deepspeed", "dstrain"):
+        try:
+            versions[package] = md.version(package)
+        except md.PackageNotFoundError:
+            versions[package] = None
+    if versions["dstrain"] is None:
+        from dstrain import __version__
+        versions["dstrain"] = __version__
+    try:
+        import torch
+        versions["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    versions["dstrain_commit"] = commit.stdout.strip() or os.environ.get("DSTRAIN_COMMIT")
+    return versions
+
+
+def _model_info(args) -> dict:
+    from dstrain.config.resolve import resolve
+    from dstrain.estimate import count_model
+    from dstrain.models import model_builder
+    from dstrain.models.gpt import flops_per_token
+    config = resolve(None, None, _shape_sets(args, "none", 1), world_size=1, accelerator="cpu", env={}).config
+    n_params, _ = count_model(model_builder(config))
+    embedding = args.vocab_size * args.d_model + args.seq_len * args.d_model
+    return {"name": "gpt", "n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head,
+            "vocab_size": args.vocab_size, "seq_len": args.seq_len, "micro_batch_per_gpu": args.micro_batch,
+            "params": n_params, "data": args.data,
+            "flops_per_token": flops_per_token(n_params, args.n_layer, args.d_model, args.seq_len, embedding)}
+
+
+def _steps(args, preset: str) -> tuple[int, int, int]:
+    """(max_steps, log_every, warm-up steps) for a preset: offload presets take fewer, slower steps."""
+    div = SLOW.get(preset, 1)
+    log_every = max(1, args.log_every // div) if div > 1 else args.log_every
+    warmup = max(log_every, args.warmup // div) if div > 1 else args.warmup
+    steps = max(warmup + 2 * log_every, args.steps // div)
+    return steps, log_every, warmup
+
+
+def _shape_sets(args, preset: str, gpus: int) -> list[str]:
+    steps, log_every, _ = _steps(args, preset)
+    sets = [f"model.n_layer={args.n_layer}", f"model.d_model={args.d_model}", f"model.n_head={args.n_head}",
+            f"model.vocab_size={args.vocab_size}", f"data.seq_len={args.seq_len}", f"data.source={args.data}",
+            f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={steps}", f"train.log_every={log_every}",
+            # evaluation and checkpoints only at the end (the loop always does both at the last step)
+            f"train.eval_every={10**9}", f"train.save_every={10**9}", "train.keep_last=1", "train.eval_batches=2"]
+    if preset == "stage3_nvme":
+        for part in ("offload_param", "offload_optimizer"):
+            sets.append(f"deepspeed.zero_optimization.{part}.nvme_path={args.nvme_path}")
+    return sets + list(args.set or [])
+
+
+def _rss_and_wait(process: subprocess.Popen, timeout: float) -> tuple[int | None, float, bool]:
+    """Wait for `process` (killing its whole tree after `timeout`); returns (exit status, peak RSS of
+    its largest process in GiB, timed out). wait4 reports the maximum over the child and every
+    descendant it reaped, which is each rank for every launcher used here."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            process.returncode = os.waitstatus_to_exitcode(status)
+            return process.returncode, usage.ru_maxrss / 2**20, False
+        if time.monotonic() > deadline:
+            _kill_tree(process.pid)
+            _, status, usage = os.wait4(process.pid, 0)
+            process.returncode = os.waitstatus_to_exitcode(status)
+            return None, usage.ru_maxrss / 2**20, True
+        time.sleep(0.2)
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+    try:
+        procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _summarise(intervals: list[dict], warmup: int, tokens_per_step: int) -> dict:
+    """Median tokens/s over the intervals starting at or after `warmup` steps (all but the first
+    interval when the run is too short for that)."""
+    rates, start = [], 0
+    for iv in intervals:
+        iv["tokens_per_s"] = iv.get("tokens_per_s") or tokens_per_step * iv["steps"] / iv["seconds"]
+        iv["start"] = start
+        start = iv["step"]
+    steady = [iv for iv in intervals if iv["start"] >= warmup] or intervals[1:] or intervals
+    tokens_per_s = statistics.median(iv["tokens_per_s"] for iv in steady)
+    step_s = tokens_per_step / tokens_per_s
+    return {"tokens_per_s": tokens_per_s, "step_ms": step_s * 1000, "intervals_used": len(steady),
+            "spread": (max(iv["tokens_per_s"] for iv in steady) - min(iv["tokens_per_s"] for iv in steady)) / tokens_per_s,
+            "first_interval_end": intervals[0]["time"], "first_interval_steps": intervals[0]["steps"],
+            "loss_curve": [[iv["step"], round(iv["loss"], 5)] for iv in intervals]}
+
+
+def _dstrain_intervals(run_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    out, previous = [], 0
+    for r in records:
+        if "tokens_per_s" in r:
+            out.append({"step": r["step"], "steps": r["step"] - previous, "tokens_per_s": r["tokens_per_s"],
+                        "seconds": None, "loss": r["loss"], "time": r["time"], "memory_gib": r["memory_gib"]})
+            previous = r["step"]
+    return out
+
+
+def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tuple, model: dict) -> dict:
+    from dstrain.config.resolve import resolve
+    name, _, extra_sets, flags = variant
+    sets = _shape_sets(args, preset, gpus) + extra_sets
+    steps, log_every, warmup = _steps(args, preset)
+    row = {"runner": runner, "preset": preset, "gpus": gpus, "variant": name, "sets": extra_sets + [f"+{f}" for f in flags],
+           "tokens_per_s": None, "tflops_per_gpu": None, "peak_gpu_gib": None, "host_rss_gib": None,
+           "first_step_s": None, "steps": steps, "log_every": log_every, "warmup_steps": warmup}
+    tag = re.sub(r"[^\w.-]+", "_", f"{runner}-{preset}-{gpus}g-{name or 'base'}")
+    log_path = work / f"{tag}.log"
+    env = dict(os.environ, DS_ACCELERATOR=args.accelerator, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(gpus, 1))))  # as dstrain does
+    try:
+        resolved = resolve(None if preset == "none" else preset, None, sets, world_size=gpus,
+                           accelerator=args.accelerator, env={})
+    except Exception as err:  # noqa: BLE001 - a bad variant is reported in its row
+        row["status"] = f"config error: {err}"
+        return row
+    run_dir = work / tag
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if runner == "dstrain":
+        cmd = [sys.executable, "-m", "dstrain.cli", "run", "--preset", preset, "--gpus", str(gpus),
+               "--accelerator", args.accelerator, "--run-dir", str(run_dir)] + [a for s in sets for a in ("--set", s)]
+    else:
+        spec = {"runner": runner, "accelerator": args.accelerator, "config": resolved.config.model_dump(mode="json"),
+                "ds_config": resolved.ds_config, "result_path": str(work / f"{tag}.result.json"),
+                "profile": args.profile and runner in args.profile_runners,
+                "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags}
+        spec_path = work / f"{tag}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        Path(spec["result_path"]).unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={max(gpus, 1)}",
+               str(Path(__file__).resolve()), "_worker", str(spec_path)]
+    if args.nvme_path and preset == "stage3_nvme":
+        shutil.rmtree(args.nvme_path, ignore_errors=True)
+        Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        _RUNNING[:] = [process.pid]
+        code, rss, timed_out = _rss_and_wait(process, args.row_timeout)
+        _RUNNING.clear()
+    row["wall_s"] = round(time.time() - t0, 1)
+    row["host_rss_gib"] = round(rss, 2)
+    try:
+        if runner == "dstrain":
+            intervals = _dstrain_intervals(run_dir)
+            row["peak_gpu_gib"] = intervals[-1]["memory_gib"] if args.accelerator == "cuda" and intervals else None
+            ds_written = json.loads((run_dir / "ds_config.json").read_text())
+            row["ds_config_matches_rendered"] = ds_written == resolved.ds_config
+        else:
+            result = json.loads(Path(spec["result_path"]).read_text())
+            intervals = result["intervals"]
+            row["peak_gpu_gib"] = result["peak_gpu_gib"]
+            if "profile" in result:
+                row["profile"] = result["profile"]
+        tokens_per_step = args.micro_batch * max(gpus, 1) * args.seq_len
+        summary = _summarise(intervals, warmup, tokens_per_step)
+    except (OSError, KeyError, IndexError, ValueError, statistics.StatisticsError) as err:
+        tail = log_path.read_text(errors="replace").splitlines()[-25:] if log_path.exists() else []
+        row["status"] = ("timeout" if timed_out else f"failed (exit {code})") + f": {type(err).__name__}: {err}"
+        row["log_tail"] = tail
+        return row
+    row.update({k: summary[k] for k in ("tokens_per_s", "step_ms", "intervals_used", "spread", "loss_curve")})
+    row["tflops_per_gpu"] = summary["tokens_per_s"] * model["flops_per_token"] / max(gpus, 1) / 1e12
+    row["first_step_s"] = round(summary["first_interval_end"] - t0
+                                - (summary["first_interval_steps"] - 1) * summary["step_ms"] / 1000, 2)
+    row["status"] = "ok" if code == 0 else ("timeout after the measurement" if timed_out else f"exit {code} after the measurement")
+    if row["peak_gpu_gib"] is not None:
+        row["peak_gpu_gib"] = round(row["peak_gpu_gib"], 2)
+    if args.keep_runs is False:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return row
+
+
+def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
+    """'NAME[@runner,...]=key=value;+flag;...' -> (name, runners, dstrain overrides, suite flags).
+    Runners default to deepspeed,dstrain. Flags: +compile (torch runner: torch.compile the model),
+    +dstrain_loop (deepspeed runner: drive the hand-built engine with dstrain's train loop)."""
+    head, _, body = text.partition("=")
+    name, _, runners = head.partition("@")
+    items = [s for s in body.split(";") if s]
+    return (name, runners.split(",") if runners else ["deepspeed", "dstrain"],
+            [s for s in items if not s.startswith("+")], [s[1:] for s in items if s.startswith("+")])
+
+
+def _row_key(row: dict) -> tuple:
+    return (row["runner"], row["preset"], row["gpus"], row.get("variant", ""))
+
+
+def add_ratios(rows: list[dict]) -> None:
+    by_key = {_row_key(r): r for r in rows if r.get("tokens_per_s")}
+    for r in rows:
+        if not r.get("tokens_per_s"):
+            continue
+        torch_row = by_key.get(("torch", "none", r["gpus"], ""))
+        r["vs_torch"] = round(r["tokens_per_s"] / torch_row["tokens_per_s"], 3) if torch_row else None
+        if r["runner"] == "dstrain":
+            ds = by_key.get(("deepspeed", r["preset"], r["gpus"], r.get("variant", "")))
+            r["vs_deepspeed"] = round(r["tokens_per_s"] / ds["tokens_per_s"], 3) if ds else None
+
+
+def table(rows: list[dict]) -> str:
+    head = ("runner", "preset", "variant", "gpus", "tokens/s", "TFLOP/s/GPU", "vs torch", "dstrain/ds",
+            "GPU GiB", "RSS GiB", "1st step s", "status")
+    lines = [head]
+    for r in rows:
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        lines.append((r["runner"], r["preset"], r.get("variant") or "", str(r["gpus"]), fmt(r.get("tokens_per_s"), ",.0f"),
+                      fmt(r.get("tflops_per_gpu"), ".1f"), fmt(r.get("vs_torch"), ".3f"), fmt(r.get("vs_deepspeed"), ".3f"),
+                      fmt(r.get("peak_gpu_gib"), ".2f"), fmt(r.get("host_rss_gib"), ".2f"), fmt(r.get("first_step_s"), ".1f"),
+                      (r.get("status") or "")[:60]))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def write_results(path: Path, doc: dict) -> None:
+    """Write the results; rows already in the file for other (runner, preset, gpus, variant) stay."""
+    if path.exists():
+        old = json.loads(path.read_text())
+        keys = {_row_key(r) for r in doc["rows"]}
+        doc = {**doc, "rows": [r for r in old.get("rows", []) if _row_key(r) not in keys] + doc["rows"]}
+    add_ratios(doc["rows"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+
+def merge(files: list[Path], output: Path) -> None:
+    for f in files:
+        write_results(output, json.loads(f.read_text()))
+    print(table(json.loads(output.read_text())["rows"]))
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["_worker"]:
+        return worker(Path(argv[1]))
+    if argv[:1] == ["merge"]:
+        p = argparse.ArgumentParser(prog="suite.py merge")
+        p.add_argument("files", nargs="+", type=Path)
+        p.add_argument("-o", "--output", type=Path, required=True)
+        a = p.parse_args(argv[1:])
+        merge(a.files, a.output)
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated dstrain presets")
+    p.add_argument("--runners", default="torch,deepspeed,dstrain", help="comma-separated: torch, deepspeed, dstrain")
+    p.add_argument("--gpus", default="1", help="comma-separated GPU counts, e.g. 1,2")
+    p.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--n-layer", type=int, default=24)
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--n-head", type=int, default=16)
+    p.add_argument("--vocab-size", type=int, default=100352, help="100352 makes the default GPT 406M parameters")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
+    p.add_argument("--data", default="synthetic", help="dstrain data.source: synthetic (random tokens) or corpus")
+    p.add_argument("--steps", type=int, default=40, help="steps per row (offload presets: 1/2, NVMe: 1/4)")
+    p.add_argument("--log-every", type=int, default=5, help="steps per timing interval")
+    p.add_argument("--warmup", type=int, default=10, help="steps excluded from the median")
+    p.add_argument("--set", action="append", help="extra dstrain override for every row, e.g. train.lr=3e-4")
+    p.add_argument("--variant", action="append", default=[],
+                   help="'NAME[@runners]=key=value;+flag': extra rows with these dstrain overrides (runners: "
+                        "deepspeed,dstrain unless named); flags +compile (torch), +dstrain_loop (deepspeed)")
+    p.add_argument("--no-base", action="store_true", help="run only the --variant rows")
+    p.add_argument("--nvme-path", default=str(Path(tempfile.gettempdir()) / "dstrain-bench-nvme"))
+    p.add_argument("--profile", action="store_true", help="torch.profiler tables for torch/deepspeed rows")
+    p.add_argument("--profile-runners", default="torch,deepspeed")
+    p.add_argument("--row-timeout", type=float, default=600.0, help="seconds before a row is killed")
+    p.add_argument("--keep-runs", action="store_true", help="keep dstrain run directories")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("--work", type=Path, default=None, help="logs and run directories (default: a temp dir)")
+    args = p.parse_args(argv)
+
+    def stop(signum, _frame):  # rows run in their own sessions: take the one in flight down too
+        for pid in _RUNNING:
+            _kill_tree(pid)
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+    device, short, count = _device_info(args.accelerator)
+    gpu_counts = [int(g) for g in args.gpus.split(",")]
+    runners = args.runners.split(",")
+    presets = [x for x in args.presets.split(",") if x]
+    variants = [_parse_variant(v) for v in args.variant]
+    work = args.work or Path(tempfile.mkdtemp(prefix="dstrain-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = _model_info(args)
+    suffix = f"x{max(gpu_counts)}" if max(gpu_counts) > 1 else ""
+    out_path = args.out / f"{datetime.date.today().isoformat()}-{short}{suffix}.json"
+    doc = {"device": device, "versions": _versions(), "model": model, "rows": [],
+           "method": "median tokens/s over log intervals after warm-up; TFLOP/s = tokens/s x flops_per_token / GPUs",
+           "command": "python3 benchmarks/suite.py " + " ".join(argv)}
+    print(f"{device}; model {model['params']:,} params, {model['flops_per_token'] / 1e9:.3f} GFLOP/token; "
+          f"results -> {out_path}; logs -> {work}", flush=True)
+
+    plan = []
+    base = [] if args.no_base else [("", ["torch", "deepspeed", "dstrain"], [], [])]
+    for gpus in gpu_counts:
+        plan += [("torch", "none", gpus, v) for v in base + variants if "torch" in runners and "torch" in v[1]]
+        for preset in presets:
+            plan += [(r, preset, gpus, v) for v in base + variants for r in ("deepspeed", "dstrain")
+                     if r in runners and r in v[1]]
+    for runner, preset, gpus, variant in plan:
+        if args.accelerator == "cuda" and gpus > count:
+            print(f"skip {runner} {preset} on {gpus} GPUs: this machine has {count}")
+            continue
+        row = run_row(args, work, runner, preset, gpus, variant, model)
+        write_results(out_path, {**doc, "rows": [row]})  # after every row: a killed suite keeps what it measured
+        rate = row.get("tokens_per_s")
+        print(f"{runner:9} {preset:14} {variant[0] or 'base':12} {gpus} GPU  "
+              + (f"{rate:,.0f} tok/s  {row['tflops_per_gpu']:.1f} TFLOP/s  step {row['step_ms']:.1f} ms "
+                 f"(spread {row['spread']:.1%})  GPU {row['peak_gpu_gib']} GiB  RSS {row['host_rss_gib']} GiB  "
+                 f"first step {row['first_step_s']} s  wall {row['wall_s']} s  {row['status']}"
+                 if rate else f"{row['status']}" + "".join("\n    | " + line for line in row.get("log_tail", []))), flush=True)
+        if row.get("profile"):
+            prof = row["profile"]
+            print(f"  profile: device kernels {prof['kernel_ms_per_step']:.1f} ms per step of {row['step_ms']:.1f} ms "
+                  f"({prof['kernel_ms_per_step'] / row['step_ms']:.0%} busy)\n{prof['top_device']}\n{prof['top_host']}",
+                  flush=True)
+    final = json.loads(out_path.read_text())
+    print("\n" + table(final["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
