@@ -114,7 +114,7 @@ def run_cmd(
     config: Optional[Path] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
     gpus: Optional[int] = GpusOpt,
-    nodes: int = NodesOpt,
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="Number of nodes. Default: every host of --hostfile, else 1."),
     hostfile: Optional[Path] = typer.Option(None, "--hostfile", help="DeepSpeed hostfile: 'host slots=N' per line."),
     include: Optional[str] = typer.Option(None, "--include", help="Hosts/GPUs to use, e.g. 'node1:0,1@node2'."),
     exclude: Optional[str] = typer.Option(None, "--exclude", help="Hosts/GPUs to skip, e.g. 'node1:3'."),

@@ -49,7 +49,7 @@ class LaunchOptions:
     config_file: Path | None = None
     sets: list[str] = field(default_factory=list)
     gpus: int | None = None
-    nodes: int = 1
+    nodes: int | None = None  # not given: every host of the hostfile, else one node
     hostfile: Path | None = None
     include: str | None = None
     exclude: str | None = None
@@ -98,39 +98,38 @@ def _topology(o: LaunchOptions, accelerator: str) -> tuple[int, int, dict[str, i
     """(ranks per node, nodes, hosts) from the flags and the hostfile."""
     if o.launcher and o.launcher not in LAUNCHERS:
         raise UserError.single(f"unknown launcher {o.launcher!r}", "--launcher", "use one of " + ", ".join(LAUNCHERS))
-    if o.gpus is not None and o.gpus < 1 or o.nodes < 1:
+    if o.gpus is not None and o.gpus < 1 or o.nodes is not None and o.nodes < 1:
         raise UserError.single("must be at least 1", "--gpus/--nodes", "e.g. --gpus 8 --nodes 2")
-    if o.no_ssh and o.node_rank is None and o.nodes > 1:
+    requested = o.nodes or 1
+    if o.no_ssh and o.node_rank is None and requested > 1:
         raise UserError.single("--no-ssh with several nodes needs this node's rank", "--node-rank",
                                "run once per node with --node-rank 0, 1, ...")
     if o.node_rank is not None and not o.no_ssh:
         raise UserError.single("--node-rank is only used with --no-ssh", "--node-rank",
                                "add --no-ssh (run once per node), or drop --node-rank and let the launcher "
                                "start every node from the hostfile")
-    if o.node_rank is not None and not 0 <= o.node_rank < o.nodes:
-        raise UserError.single(f"node rank {o.node_rank} is not in 0..{o.nodes - 1}", "--node-rank",
+    if o.node_rank is not None and not 0 <= o.node_rank < requested:
+        raise UserError.single(f"node rank {o.node_rank} is not in 0..{requested - 1}", "--node-rank",
                                "use 0 for the first node; --nodes gives the count")
-    if o.no_ssh and o.nodes > 1 and not o.master_addr:
+    if o.no_ssh and requested > 1 and not o.master_addr:
         raise UserError.single("--no-ssh with several nodes needs the address of node rank 0", "--master-addr",
                                "give the same --master-addr (node 0's IP or hostname) on every node")
     if o.include and o.exclude:
         raise UserError.single("--include and --exclude cannot be combined", "--include/--exclude",
                                "use one of them")
-    if (o.include or o.exclude) and (o.gpus is not None or o.nodes > 1):
+    if (o.include or o.exclude) and (o.gpus is not None or o.nodes is not None):
         raise UserError.single("--include/--exclude choose the hosts and slots: DeepSpeed refuses them with "
                                "--gpus/--nodes", "--include/--exclude", "drop --gpus and --nodes")
-    if o.nodes > 1 and not o.hostfile and not o.no_ssh:
-        raise UserError.single(f"--nodes {o.nodes} needs the hosts to start", "--nodes",
+    if requested > 1 and not o.hostfile and not o.no_ssh:
+        raise UserError.single(f"--nodes {requested} needs the hosts to start", "--nodes",
                                "give --hostfile (one 'host slots=N' line per node), or run dstrain once per "
                                "node with --no-ssh --node-rank R --master-addr ADDR")
-    if o.launcher in MPI_LAUNCHERS and o.hostfile and (o.gpus is not None or o.nodes > 1 or o.include or o.exclude):
+    if o.launcher in MPI_LAUNCHERS and o.hostfile and (o.gpus is not None or o.nodes is not None or o.include or o.exclude):
         raise UserError.single(f"the {o.launcher} launcher runs every slot of every host in the hostfile; DeepSpeed "
                                "refuses --gpus/--nodes/--include/--exclude with it", f"--launcher {o.launcher}",
                                "write the hosts and slots=N to use in the hostfile, and drop those flags")
     hosts = read_hostfile(o.hostfile) if o.hostfile else None
-    nodes = o.nodes
-    if hosts and nodes == 1 and not o.no_ssh:
-        nodes = len(hosts)
+    nodes = o.nodes if o.nodes is not None else (len(hosts) if hosts and not o.no_ssh else 1)
     if hosts and nodes > len(hosts):
         raise UserError.single(f"--nodes {nodes} but the hostfile lists {len(hosts)} hosts", f"--hostfile {o.hostfile}",
                                "add hosts or lower --nodes")

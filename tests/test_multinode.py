@@ -1,0 +1,227 @@
+"""More than one machine: every launcher flag's command line (--dry-run), the commands DeepSpeed's
+own backends build from them (pdsh, OpenMPI, SLURM, with stand-ins for the cluster tools), and a real
+2-node job on this machine (--no-ssh, one CPU rank per "node") that trains exactly like 1 node x 2 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dstrain.cli import app
+from launcher import TINY, assert_ok, losses
+
+EXAMPLE_HOSTFILE = Path(__file__).parent.parent / "examples" / "multinode" / "hostfile"  # worker-0/1, slots=8
+
+
+def dry_run(*args: str) -> tuple[int, str, list[str]]:
+    """(exit code, output, the runner's arguments from the 'would run' line)."""
+    result = CliRunner().invoke(app, ["run", "--dry-run", "--accelerator", "cpu", "--set", "model.n_layer=1",
+                                      "--set", "model.d_model=32", "--set", "data.seq_len=32", *args],
+                                env={"COLUMNS": "250"})
+    line = next((l for l in result.output.splitlines() if l.startswith("would run: ")), "")
+    argv = shlex.split(line[len("would run: "):])
+    return result.exit_code, result.output, argv[argv.index("deepspeed.launcher.runner") + 1:] if argv else []
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def world_size(output: str) -> int:
+    return int(output.split("world size ")[1].split()[0])
+
+
+# ---------------------------------------------------------------------------------------
+# Each flag through --dry-run: the runner command, the world size, and nothing written
+
+def test_hostfile_runs_every_host_with_its_slots(tmp_path):
+    code, output, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--run-dir", str(tmp_path / "r"))
+    assert code == 0, output
+    assert flag(argv, "--hostfile") == str(EXAMPLE_HOSTFILE)
+    assert (flag(argv, "--num_gpus"), flag(argv, "--num_nodes")) == ("8", "2")
+    assert world_size(output) == 16
+    assert argv[-3:] == ["--module", "dstrain.worker", str((tmp_path / "r").resolve())]
+    assert not (tmp_path / "r").exists()
+
+
+def test_gpus_and_nodes_narrow_the_hostfile():
+    code, output, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--nodes", "1", "--gpus", "4")
+    assert code == 0 and (flag(argv, "--num_gpus"), flag(argv, "--num_nodes")) == ("4", "1")
+    assert world_size(output) == 4
+
+
+def test_include_passes_through_and_sets_the_world_size():
+    code, output, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--include", "worker-0:0,1@worker-1:0,1,2")
+    assert code == 0, output
+    assert flag(argv, "--include") == "worker-0:0,1@worker-1:0,1,2" and "--num_gpus" not in argv
+    assert world_size(output) == 5
+
+
+def test_exclude_passes_through_and_sets_the_world_size():
+    code, output, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--exclude", "worker-1")
+    assert code == 0 and flag(argv, "--exclude") == "worker-1" and "--num_nodes" not in argv
+    assert world_size(output) == 8
+
+
+def test_master_addr_and_port_pass_through():
+    code, _, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--master-addr", "10.1.2.3", "--master-port", "29999")
+    assert code == 0 and (flag(argv, "--master_addr"), flag(argv, "--master_port")) == ("10.1.2.3", "29999")
+
+
+def test_pdsh_launcher_passes_through():
+    code, _, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--launcher", "pdsh")
+    assert code == 0 and flag(argv, "--launcher") == "pdsh" and flag(argv, "--num_nodes") == "2"
+
+
+def test_openmpi_launcher_gets_no_node_or_gpu_counts_which_it_refuses():
+    code, output, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--launcher", "openmpi")
+    assert code == 0, output
+    assert flag(argv, "--launcher") == "openmpi" and "--num_gpus" not in argv and "--num_nodes" not in argv
+    assert world_size(output) == 16  # every slot of the hostfile
+
+
+def test_openmpi_launcher_with_gpus_is_an_error_not_a_late_crash():
+    code, output, _ = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--launcher", "openmpi", "--gpus", "4")
+    assert code == 2 and "hostfile" in output
+
+
+def test_slurm_launcher_gets_the_worker_file_since_it_drops_module():
+    code, _, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--launcher", "slurm")
+    assert code == 0 and flag(argv, "--launcher") == "slurm"
+    assert "--module" not in argv and argv[-2].endswith("dstrain/worker.py") and Path(argv[-2]).is_file()
+
+
+def test_no_ssh_runs_one_node_with_a_hostfile_of_the_job_shape_and_a_shared_port(tmp_path):
+    run_dir = tmp_path / "r"
+    code, output, argv = dry_run("--nodes", "2", "--gpus", "1", "--no-ssh", "--node-rank", "1",
+                                 "--master-addr", "10.1.2.3", "--run-dir", str(run_dir))
+    assert code == 0, output
+    assert flag(argv, "--node_rank") == "1" and "--no_ssh" in argv and flag(argv, "--master_addr") == "10.1.2.3"
+    assert flag(argv, "--master_port") == "29500"  # every node must pick the same port without talking
+    assert flag(argv, "--hostfile") == str(run_dir / "hostfile")
+    assert world_size(output) == 2
+    assert not run_dir.exists()  # --dry-run writes nothing, not even the hostfile
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--nodes", "2", "--no-ssh", "--node-rank", "0"], "--master-addr"),
+    (["--nodes", "2", "--no-ssh", "--master-addr", "h"], "--node-rank"),
+    (["--nodes", "2", "--no-ssh", "--node-rank", "2", "--master-addr", "h"], "not in 0..1"),
+    (["--node-rank", "0"], "only used with --no-ssh"),
+    (["--nodes", "2"], "needs the hosts to start"),
+    (["--hostfile", str(EXAMPLE_HOSTFILE), "--include", "worker-0", "--exclude", "worker-1"], "cannot be combined"),
+    (["--hostfile", str(EXAMPLE_HOSTFILE), "--include", "worker-0", "--gpus", "2"], "--gpus/--nodes"),
+    (["--hostfile", str(EXAMPLE_HOSTFILE), "--include", "worker-7"], "not found in hostfile"),
+    (["--hostfile", str(EXAMPLE_HOSTFILE), "--nodes", "3"], "lists 2 hosts"),
+    (["--launcher", "torchrun"], "unknown launcher"),
+])
+def test_flag_mistakes_exit_2_before_anything_starts(args, says):
+    code, output, _ = dry_run(*args)
+    assert code == 2 and says in output, output
+
+
+def test_a_launcher_without_a_hostfile_warns_that_it_is_not_used():
+    code, output, _ = dry_run("--launcher", "pdsh", "--gpus", "2")
+    assert code == 0 and "--launcher pdsh is not used" in output
+
+
+# ---------------------------------------------------------------------------------------
+# What DeepSpeed's backends make of the command: stand-ins for ssh, pdsh, mpirun and srun
+# record their arguments, so the real runner builds the real per-node command.
+
+FAKE_TOOL = """#!/bin/sh
+echo "$(basename "$0") $*" >> "$FAKE_LOG"
+[ "$(basename "$0")" = ssh ] && echo 10.0.0.1
+exit 0
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("launcher, expect", [
+    ("pdsh", ["pdsh ", "-w worker-0,worker-1", "-m deepspeed.launcher.launch", "--module", "dstrain.worker"]),
+    ("openmpi", ["mpirun -n 16 -hostfile", "-u -m dstrain.worker"]),
+    ("slurm", ["srun -n 16 --nodes 2 --gpus-per-node 8", "dstrain/worker.py"]),
+])
+def test_deepspeed_backends_build_a_runnable_rank_command(tmp_path, launcher, expect):
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("ssh", "pdsh", "mpirun", "ompi_info", "srun", "sinfo"):
+        (tools / name).write_text(FAKE_TOOL)
+        (tools / name).chmod(0o755)
+    log, run_dir = tmp_path / "calls.log", tmp_path / "run"
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log)}
+    args = ["run", "--accelerator", "cpu", "--hostfile", str(EXAMPLE_HOSTFILE), "--launcher", launcher,
+            "--master-addr", "worker-0", "--run-dir", str(run_dir)]
+    for item in TINY:
+        args += ["--set", item]
+    result = subprocess.run([sys.executable, "-m", "dstrain.cli", *args], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert_ok(result)
+    rank_command = [line for line in log.read_text().splitlines() if not line.startswith("ssh ")]
+    assert len(rank_command) == 1, log.read_text()
+    for part in expect:
+        assert part in rank_command[0], rank_command[0]
+    assert rank_command[0].endswith(str(run_dir.resolve()))
+
+
+# ---------------------------------------------------------------------------------------
+# A real 2-node job on one machine
+
+STEPS = ("train.max_steps=6", "train.log_every=1", "train.save_every=3", "train.eval_every=3",
+         "train.schedule=constant", "train.warmup_steps=1", "train.lr=3e-3")
+
+
+def dstrain_run(run_dir: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "dstrain.cli", "run", "--preset", "stage2", "--accelerator", "cpu",
+            "--run-dir", str(run_dir), *extra]
+    for item in (*TINY, *STEPS):
+        args += ["--set", item]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "COLUMNS": "250"})
+
+
+def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, _ = process.communicate(timeout=600)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, "")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.integration
+def test_two_nodes_with_one_rank_each_train_exactly_like_one_node_with_two_ranks(tmp_path):
+    shared = tmp_path / "two_nodes"  # one run directory, as on a shared filesystem
+    port = str(free_port())
+    nodes = [dstrain_run(shared, "--nodes", "2", "--gpus", "1", "--no-ssh", "--node-rank", str(rank),
+                         "--master-addr", "127.0.0.1", "--master-port", port) for rank in (1, 0)]
+    single = tmp_path / "one_node"
+    for node in nodes:
+        assert_ok(finish(node))
+    assert_ok(finish(dstrain_run(single, "--gpus", "2")))
+
+    two, one = losses(shared), losses(single)
+    assert sorted(two) == sorted(one) == [1, 2, 3, 4, 5, 6]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), (step, two, one)
+    assert one[6] < one[1]
+    evals = [{row["step"]: row["eval_loss"] for row in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+              if "eval_loss" in row} for d in (shared, single)]
+    assert evals[0] == pytest.approx(evals[1], rel=1e-4)
+
+    mark = json.loads((shared / "checkpoints" / "step00000006" / "dstrain_complete.json").read_text())
+    assert mark["world_size"] == 2 and {"rng_rank0.pt", "rng_rank1.pt"} <= set(mark["files"])
+    records = {p.name: p.read_text() for p in (shared / "ranks").iterdir()}
+    assert records["rank0.exit"] == records["rank1.exit"] == "ok"  # neither node removed the other's records
+    assert {"rank0.pid", "rank1.pid"} <= set(records)
