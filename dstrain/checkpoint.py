@@ -3,7 +3,8 @@
 DeepSpeed writes each rank's shards with `engine.save_checkpoint`; dstrain adds per-rank RNG
 states, then, once every rank has written (a barrier), rank 0 writes a completion mark listing
 every file of the tag, and only then points `latest` at it (write-then-rename, so a kill at
-any moment leaves either the old or the new pointer). Resuming verifies the mark and the files.
+any moment leaves either the old or the new pointer). Resuming verifies the mark and the files,
+and takes the last complete checkpoint saved, saying so when `latest` names another.
 """
 
 from __future__ import annotations
@@ -80,23 +81,69 @@ def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep_la
     directory = run_dir / CHECKPOINTS
     tag = tag_for(step)
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
-    torch.save(rng_state(), directory / tag / f"rng_rank{rank}.pt")
+    if rank == 0:
+        _unmark(directory, tag)
+    dist.barrier()  # no rank rewrites a tag while it still looks complete
+    try:
+        engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+        torch.save(rng_state(), directory / tag / f"rng_rank{rank}.pt")
+    except (OSError, RuntimeError) as err:
+        _explain_write_failure(err, directory / tag)
+        raise
     dist.barrier()  # every rank's files are on disk before the mark says so
     if rank == 0:
         files = sorted(str(p.relative_to(directory / tag)) for p in (directory / tag).rglob("*") if p.is_file())
         mark = {"step": step, "tag": tag, "world_size": world, "files": files, "time": time.time(),
                 "config_hash": client_state.get("config_hash")}
-        write_atomic(directory / tag / COMPLETE_MARK, json.dumps(mark, indent=1))
-        write_atomic(directory / LATEST, tag)
+        try:
+            write_atomic(directory / tag / COMPLETE_MARK, json.dumps(mark, indent=1))
+            write_atomic(directory / LATEST, tag)
+        except OSError as err:
+            _explain_write_failure(err, directory / tag)
+            raise
         prune(directory, keep_last)
     dist.barrier()
     return directory / tag
 
 
+def _unmark(directory: Path, tag: str) -> None:
+    """Before a tag is written again (a run rewound with --resume <older tag> reaches its step),
+    move `latest` off it and drop its mark: while rewritten it must not look complete."""
+    mark = directory / tag / COMPLETE_MARK
+    if not mark.exists():
+        return
+    latest = directory / LATEST
+    if latest.is_file() and latest.read_text().strip() == tag:
+        others = [c for c in complete_checkpoints(directory) if c.tag != tag]
+        if others:
+            write_atomic(latest, others[-1].tag)
+        else:
+            latest.unlink()
+    mark.unlink()
+
+
+def _explain_write_failure(err: Exception, tag_dir: Path) -> None:
+    """Raise a failed write again as an error that names the checkpoint and the cause (torch reports a
+    full disk only as 'iostream error' or 'unexpected pos'). Returns for other failures, such as a
+    collective inside save_checkpoint failing because another rank died."""
+    try:
+        usage = shutil.disk_usage(tag_dir.parent)
+        free, full = usage.free, usage.free < max(usage.total // 100, 1 << 20)
+    except OSError:
+        free, full = 0, False
+    if not isinstance(err, OSError) and not full:
+        return
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+    if full:
+        reason = f"the disk is full ({free / 2**20:.1f} MiB free); {reason}"
+    raise UserError.single(f"writing the checkpoint failed: {reason}", str(tag_dir),
+                           "free space on that disk or choose a --run-dir with room for a checkpoint, then "
+                           "continue with --resume latest (the last complete checkpoint is kept)") from err
+
+
 def prune(directory: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints, and incomplete ones older than those.
-    The newest complete checkpoint is never deleted."""
+    """Delete all but the last `keep_last` complete checkpoints saved, and incomplete ones older than
+    the last one. The last complete checkpoint is never deleted."""
     complete = complete_checkpoints(directory)
     keep = {c.tag for c in complete[-max(keep_last, 1):]}
     newest_step = complete[-1].step if complete else -1
@@ -124,19 +171,22 @@ def verify(tag_dir: Path) -> CompleteCheckpoint | None:
     mark_path = tag_dir / COMPLETE_MARK
     try:
         mark = json.loads(mark_path.read_text())
-    except (OSError, ValueError):
+        step, world_size, files, saved_at = int(mark["step"]), int(mark["world_size"]), mark["files"], mark["time"]
+        intact = all((tag_dir / name).is_file() for name in files)
+    except (OSError, ValueError, TypeError, KeyError):  # unreadable, or not a mark dstrain wrote
         return None
-    if not all((tag_dir / name).is_file() for name in mark.get("files", [])):
+    if not intact or not isinstance(saved_at, (int, float)):
         return None
-    return CompleteCheckpoint(tag_dir.parent, tag_dir.name, int(mark["step"]), int(mark["world_size"]), mark)
+    return CompleteCheckpoint(tag_dir.parent, tag_dir.name, step, world_size, mark)
 
 
 def complete_checkpoints(directory: Path) -> list[CompleteCheckpoint]:
-    """Complete checkpoints under a checkpoints directory, oldest first."""
+    """Complete checkpoints under a checkpoints directory, in the order they were saved (oldest
+    first): a run rewound with --resume <older tag> saves lower steps after higher ones."""
     if not directory.is_dir():
         return []
     found = [verify(child) for child in directory.iterdir() if child.is_dir()]
-    return sorted((c for c in found if c), key=lambda c: c.step)
+    return sorted((c for c in found if c), key=lambda c: (c.mark["time"], c.step))
 
 
 def find_resume(spec: str, run_dir: Path) -> tuple[CompleteCheckpoint, list[str]]:
@@ -163,9 +213,19 @@ def find_resume(spec: str, run_dir: Path) -> tuple[CompleteCheckpoint, list[str]
     if not complete:
         raise UserError.single(f"no complete checkpoint in {directory}", "--resume",
                                "start without --resume, or point --resume at a run that saved a checkpoint")
-    newest = complete[-1]
+    chosen = complete[-1]  # the last one saved; `latest` names it unless a kill came between the two
     latest_file = directory / LATEST
     named = latest_file.read_text().strip() if latest_file.is_file() else None
-    if named and named != newest.tag:
-        notes.append(f"'latest' names {named}, which is not complete; resuming from {newest.tag} instead")
-    return newest, notes
+    if named and named != chosen.tag:
+        if any(c.tag == named for c in complete):
+            notes.append(f"'latest' names {named}, but {chosen.tag} was saved completely after it (the job "
+                         f"ended before moving 'latest'); resuming from {chosen.tag}")
+        else:
+            notes.append(f"'latest' names {named}, which is not complete; resuming from {chosen.tag}, "
+                         "the last complete checkpoint")
+    complete_tags = {c.tag for c in complete}
+    for child in sorted(directory.iterdir()):
+        step = _step_of(child)
+        if child.is_dir() and step is not None and step > chosen.step and child.name not in complete_tags | {named}:
+            notes.append(f"{child.name} is incomplete (its save was interrupted) and is skipped")
+    return chosen, notes

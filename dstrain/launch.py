@@ -211,6 +211,9 @@ def _prepare_run_dir(run_dir: Path, resuming: bool) -> None:
     if not resuming and complete_checkpoints(run_dir / CHECKPOINTS):
         raise UserError.single("this run directory already holds checkpoints", f"--run-dir {run_dir}",
                                "continue it with --resume latest, or choose another --run-dir")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError.single("is a file, not a directory", f"--run-dir {run_dir}",
+                               "name a directory (it is created if missing)")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write_test{os.getpid()}"
@@ -379,6 +382,7 @@ def _local_rank_pids(run_dir: Path, own_ranks: range | None = None) -> dict[int,
     """rank -> pid of the live ranks on this machine; with own_ranks, only those (other nodes sharing
     the run directory, even on this machine, are supervised by their own `dstrain run`)."""
     pids = {}
+    run_dir_arg = b"\0" + str(run_dir.resolve()).encode() + b"\0"  # a recycled pid is not our rank
     for pid_file in (run_dir / RANKS_DIR).glob("rank*.pid"):
         if own_ranks is not None and int(pid_file.name[4:-4]) not in own_ranks:
             continue
@@ -387,17 +391,20 @@ def _local_rank_pids(run_dir: Path, own_ranks: range | None = None) -> dict[int,
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if b"dstrain.worker" in cmdline or b"dstrain/worker.py" in cmdline:
+        if (b"dstrain.worker" in cmdline or b"dstrain/worker.py" in cmdline) and run_dir_arg in b"\0" + cmdline:
             pids[int(pid_file.name[4:-4])] = pid
     return pids
 
 
-def _stop_ranks(run_dir: Path, sig: int, own_ranks: range | None = None) -> None:
-    for pid in _local_rank_pids(run_dir, own_ranks).values():
+def _stop_ranks(run_dir: Path, sig: int, own_ranks: range | None = None, skip: frozenset[int] = frozenset()) -> set[int]:
+    """Send `sig` to the live ranks (but those in `skip`); returns the pids signalled."""
+    pids = set(_local_rank_pids(run_dir, own_ranks).values()) - skip
+    for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+    return pids
 
 
 def failure_report(run_dir: Path, alive: set[int]) -> list[str]:
@@ -410,8 +417,9 @@ def failure_report(run_dir: Path, alive: set[int]) -> list[str]:
     if silent:  # no record at all: killed from outside (SIGKILL, the OOM killer) or crashed hard
         return [f"rank {r} died without reporting (killed by a signal such as SIGKILL, or out of memory)"
                 for r in silent]
-    failed = sorted((records[r].stat().st_mtime_ns, r, records[r].read_text()) for r in started
-                    if records[r].exists() and records[r].read_text() != "ok")
+    texts = {r: records[r].read_text() for r in started if records[r].exists()}
+    failed = sorted((records[r].stat().st_mtime_ns, r, text or "failed; its report could not be written (disk full?)")
+                    for r, text in texts.items() if text != "ok")
     return [("" if i == 0 else "  then ") + f"rank {r}: {text}" for i, (_, r, text) in enumerate(failed)]
 
 
@@ -421,17 +429,27 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
     and stop), and name the failed rank if the job fails. Returns the exit code."""
     # A new session: Ctrl-C reaches only us, and we ask the ranks to stop cleanly instead of
     # letting the launcher kill them mid-step.
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True, text=True, bufsize=1)
     received: list[int] = []
     deadline: list[float] = []
+    signalled: set[int] = set()
 
     def forward(signum, _frame):
         if not received:
             console.print(f"\n{signal.Signals(signum).name}: asking the ranks to save a checkpoint and stop")
             deadline.append(time.monotonic() + STOP_GRACE_S)
         received.append(signum)
-        _stop_ranks(run_dir, signal.SIGTERM, own_ranks)
+        signalled.update(_stop_ranks(run_dir, signal.SIGTERM, own_ranks))
+
+    # Our handlers go in first: a signal between the start of the runner and them would end us
+    # and leave the job running, unsupervised.
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   start_new_session=True, text=True, bufsize=1)
+    except BaseException:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        raise
 
     def pump() -> None:
         for line in process.stdout:
@@ -439,20 +457,21 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
                 sys.stdout.write(line)
                 sys.stdout.flush()
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
         while process.poll() is None:
             time.sleep(0.2)
+            if received:  # ranks that publish their pid after the request are asked too
+                signalled.update(_stop_ranks(run_dir, signal.SIGTERM, own_ranks, frozenset(signalled)))
             if deadline and time.monotonic() > deadline[0]:
                 console.print("[red]ranks did not stop in time; killing them[/]")
                 break
     finally:
+        alive = set(_local_rank_pids(run_dir, own_ranks))  # before any kill: these were stopped, not failed
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        alive = set(_local_rank_pids(run_dir, own_ranks))
         _stop_ranks(run_dir, signal.SIGKILL, own_ranks)  # no orphan rank outlives the job
         reader.join(timeout=5)
         for s, handler in previous.items():

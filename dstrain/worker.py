@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -33,9 +34,23 @@ def _rank() -> int:
 
 
 def record(run_dir: Path, name: str, text: str) -> None:
-    directory = run_dir / RANKS_DIR
-    directory.mkdir(exist_ok=True)
-    (directory / f"rank{_rank()}.{name}").write_text(text)
+    """Best effort: a full or vanished disk must not turn a rank's report into a second traceback."""
+    try:
+        directory = run_dir / RANKS_DIR
+        directory.mkdir(exist_ok=True)
+        (directory / f"rank{_rank()}.{name}").write_text(text)
+    except OSError as err:
+        print(f"rank {_rank()}: cannot record {name} under {run_dir / RANKS_DIR}: {err}", file=sys.stderr)
+
+
+def _catch_stop_signals() -> tuple[list[str], dict]:
+    """Note SIGTERM/SIGINT instead of dying until the train loop's handler takes over, so a stop
+    request that comes while torch is still importing is not lost. Returns (caught, previous handlers)."""
+    caught: list[str] = []
+
+    def note(signum, _frame):
+        caught.append(signal.Signals(signum).name)
+    return caught, {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
 
 
 def _quiet(verbose: bool) -> None:
@@ -63,14 +78,20 @@ def _load_run_dir(run_dir: Path):
     return config, ds_config, launch
 
 
-def run(run_dir: Path) -> int:
+def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
     config, ds_config, launch = _load_run_dir(run_dir)
     if launch.get("mode") == "eval":  # `dstrain eval` (launch.json of training runs has no mode)
+        for sig, handler in previous_handlers.items():  # nothing to save: a stop request ends it
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(signal.Signals[caught[0]])
         from dstrain.evaluate import rank_eval
         return rank_eval(run_dir, config, ds_config, launch)
     from dstrain.loop import StopRequest
     stop = StopRequest()
     stop.install()  # before the slow start-up, so an early SIGTERM is not lost
+    if caught:
+        stop.signal_name = caught[0]
 
     import deepspeed
     import torch
@@ -109,6 +130,8 @@ def run(run_dir: Path) -> int:
 
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
+    from dstrain.config.resolve import redact
+    engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
     if config.train.compile:
         engine.compile()
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
@@ -197,20 +220,21 @@ def main(argv: list[str]) -> int:
         print("usage: python -m dstrain.worker RUN_DIR (started by `dstrain run`)", file=sys.stderr)
         return 2
     run_dir = Path(positional[0])
+    caught, previous_handlers = _catch_stop_signals()  # before the pid is published: `dstrain run` signals it
     record(run_dir, "pid", str(os.getpid()))
     from dstrain.errors import UserError
     try:
-        code = run(run_dir)
+        code = run(run_dir, caught, previous_handlers)
         record(run_dir, "exit", "ok")
         return code
     except UserError as err:
-        record(run_dir, "exit", f"error: {err}")
         print(f"rank {_rank()}: error: {err}", file=sys.stderr)
+        record(run_dir, "exit", f"error: {err}")
         return 2
     except BaseException as err:  # noqa: BLE001 - report which rank failed and why, then fail
-        record(run_dir, "exit", "failed: " + "".join(traceback.format_exception_only(type(err), err)).strip())
         traceback.print_exc()
         print(f"rank {_rank()} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        record(run_dir, "exit", "failed: " + "".join(traceback.format_exception_only(type(err), err)).strip())
         return 1
 
 
