@@ -1,0 +1,126 @@
+"""examples/: each example's config is valid, and each one trains on CPU at a tiny size.
+
+Entry points in the examples are named from the repository root (examples.bert_mlm.bert:build),
+so the launches run there, as the examples' own comments tell users to.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dstrain.cli import app
+from dstrain.config.resolve import resolve
+from dstrain.launch import read_hostfile
+
+REPO = Path(__file__).parent.parent
+EXAMPLES = REPO / "examples"
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+@pytest.fixture
+def at_repo_root(monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.syspath_prepend(str(REPO))
+
+
+def test_default_yaml_is_exactly_the_default_job():
+    written_out = resolve(None, EXAMPLES / "default.yaml", [], world_size=2, accelerator="cpu")
+    default_job = resolve("stage2_offload", None, [], world_size=2, accelerator="cpu")  # README's command
+    assert written_out.config == default_job.config
+    assert written_out.ds_config == default_job.ds_config
+
+
+@pytest.mark.parametrize("example", ["bert_mlm", "regression"])
+def test_example_config_passes_every_check_at_dry_run(at_repo_root, example):
+    result = CliRunner().invoke(app, ["run", "--config", str(EXAMPLES / example / "config.yaml"), "--dry-run",
+                                      "--accelerator", "cpu", "--gpus", "2"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert f"model: examples.{example}." in result.output
+
+
+@pytest.mark.skipif(HAS_TRANSFORMERS, reason="transformers is installed here")
+def test_huggingface_example_without_transformers_says_what_to_install(at_repo_root):
+    result = CliRunner().invoke(app, ["run", "--config", str(EXAMPLES / "huggingface" / "config.yaml"), "--dry-run",
+                                      "--accelerator", "cpu"], env={"COLUMNS": "250"})
+    assert result.exit_code == 2
+    assert "pip install transformers" in result.output and "Traceback" not in result.output
+
+
+def test_multinode_hostfile_is_a_valid_deepspeed_hostfile():
+    assert read_hostfile(EXAMPLES / "multinode" / "hostfile") == {"worker-0": 8, "worker-1": 8}
+
+
+def test_bert_masking_follows_berts_rule_and_is_fixed_per_item(at_repo_root):
+    from examples.bert_mlm.bert import CLS_ID, IGNORE, MASK_ID
+    from examples.bert_mlm.data import masked_bytes
+
+    dataset = masked_bytes(seq_len=128)
+    items = [dataset[i] for i in range(400)]
+    ids = torch.stack([item["input_ids"] for item in items])
+    labels = torch.stack([item["labels"] for item in items])
+    assert (ids[:, 0] == CLS_ID).all() and (labels[:, 0] == IGNORE).all()
+    chosen = labels != IGNORE
+    assert 0.13 < chosen.float().mean() < 0.17  # 15% of positions are predicted
+    masked = (ids[chosen] == MASK_ID).float().mean()
+    kept = (ids[chosen] == labels[chosen]).float().mean()
+    assert 0.77 < masked < 0.83 and 0.08 < kept < 0.12  # 80% [MASK], 10% kept (and 10% random)
+    assert (ids[~chosen] == torch.stack([dataset[i]["input_ids"] for i in range(400)])[~chosen]).all()
+    assert all(torch.equal(dataset[i]["input_ids"], items[i]["input_ids"]) for i in (0, 17, 399))
+
+
+# ---------------------------------------------------------------------------------------
+# Each example trains, tiny, through the real launcher
+
+def train(example: str, run_dir: Path, *sets: str, env: dict | None = None) -> dict[int, float]:
+    args = [sys.executable, "-m", "dstrain.cli", "run", "--config", str(EXAMPLES / example), "--accelerator", "cpu",
+            "--gpus", "2", "--run-dir", str(run_dir)]
+    for item in ("train.log_every=1", "train.eval_batches=2", *sets):
+        args += ["--set", item]
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "COLUMNS": "250", **(env or {})})
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in row for row in rows)
+    assert (run_dir / "checkpoints" / "latest").is_file()
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+@pytest.mark.integration
+def test_default_example_trains(tmp_path):
+    losses = train("default.yaml", tmp_path / "run", "train.max_steps=3", "model.n_layer=1", "model.d_model=32",
+                   "data.seq_len=32", "train.micro_batch_size=4")
+    assert sorted(losses) == [1, 2, 3]
+
+
+@pytest.mark.integration
+def test_bert_mlm_example_learns_to_fill_in_masked_bytes(tmp_path):
+    losses = train("bert_mlm/config.yaml", tmp_path / "run", "train.max_steps=16", "model.kwargs.d_model=32",
+                   "model.kwargs.n_layer=2", "model.kwargs.n_head=2", "model.kwargs.d_ff=64", "data.seq_len=32",
+                   "data.kwargs.seq_len=32", "train.micro_batch_size=8", "train.warmup_steps=2", "train.lr=3e-3")
+    assert losses[1] == pytest.approx(torch.log(torch.tensor(258.0)).item(), abs=0.3)  # uniform over the vocab
+    assert losses[16] < losses[1] - 0.5
+
+
+@pytest.mark.integration
+def test_regression_example_with_a_user_model_and_dataset_learns(tmp_path):
+    losses = train("regression/config.yaml", tmp_path / "run", "train.max_steps=40", "train.warmup_steps=1",
+                   "train.schedule=constant", "train.lr=1e-2", "model.kwargs.hidden=32")
+    assert min(losses[step] for step in range(36, 41)) < losses[1] * 0.6
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the Hugging Face example needs transformers (optional)")
+def test_huggingface_example_trains_through_the_adapter(tmp_path):
+    losses = train("huggingface/config.yaml", tmp_path / "run", "train.max_steps=6", "model.kwargs.n_layer=1",
+                   "model.kwargs.n_embd=32", "model.kwargs.n_head=2", "model.kwargs.n_positions=32", "data.seq_len=32",
+                   "train.micro_batch_size=4")
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
