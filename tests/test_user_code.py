@@ -83,6 +83,27 @@ def test_a_named_tokenizer_without_transformers_is_a_clear_error(tmp_path):
     assert "pip install transformers" in messages(err) and "data.tokenizer" in messages(err)
 
 
+@pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") is None,
+                    reason="a named tokenizer needs transformers (optional)")
+def test_a_named_tokenizer_tokenizes_each_file_and_ends_it_with_eos(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    (tmp_path / "b.txt").write_text("hello world and goodbye world\n" * 50)
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train([str(tmp_path / "a.txt")], trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "<eos>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", unk_token="[UNK]")
+    tokenizer.save_pretrained(tmp_path / "tok")  # a local directory: no download
+    tokens = load_tokens(config(data={"source": "text", "paths": [str(tmp_path / "*.txt")],
+                                      "tokenizer": str(tmp_path / "tok")}).data)
+    eos = tokenizer.eos_token_id
+    assert (tokens == eos).sum() == 2 and tokens[-1] == eos
+    first = tokens[:list(tokens).index(eos)]
+    assert tokenizer.decode(first.tolist()).startswith("the quick brown fox")
+
+
 # ---------------------------------------------------------------------------------------
 # nanoGPT token files
 
