@@ -31,7 +31,7 @@ class ModelConfig(Section):
     """Transformer blocks of the built-in GPT."""
     n_head: PositiveInt = 4
     """Attention heads of the built-in GPT; must divide d_model."""
-    d_model: PositiveInt = 256
+    d_model: PositiveInt = 128
     """Width (hidden size) of the built-in GPT."""
     vocab_size: PositiveInt = 256
     """Vocabulary size; 256 for byte-level text."""
