@@ -218,6 +218,44 @@ def test_a_failed_collective_during_save_is_not_reported_as_a_disk_problem(tmp_p
         save(StandInEngine(fail_with=peer_died), tmp_path, 2, {}, keep_last=2)
 
 
+# ------------------------------------------------------------------ secrets in what dstrain prints
+
+SECRET = "comet-key-0123456789"
+WITH_SECRET = ["--set", "deepspeed.comet.enabled=false", "--set", f"deepspeed.comet.api_key={SECRET}"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--explain"], ["--deepspeed-json"]])
+def test_dstrain_config_never_prints_a_secret(flags, monkeypatch):
+    from typer.testing import CliRunner
+    from dstrain.cli import app
+    monkeypatch.delenv("PL_DEEPSPEED_CONFIG_PATH", raising=False)
+    result = CliRunner().invoke(app, ["config", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2",
+                                      *WITH_SECRET, *flags])
+    assert result.exit_code == 0, result.output
+    assert SECRET not in result.output
+    if flags:
+        assert "<redacted>" in result.output
+
+
+def test_the_plan_of_a_dry_run_never_prints_a_secret(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+    from dstrain.cli import app
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.delenv("PL_DEEPSPEED_CONFIG_PATH", raising=False)
+    result = CliRunner().invoke(app, ["run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2", "--dry-run",
+                                      "--run-dir", str(tmp_path / "run"), *WITH_SECRET])
+    assert result.exit_code == 0, result.output
+    assert "would run:" in result.output and SECRET not in result.output
+
+
+def test_rank_environment_gets_a_cuda_arch_list_deepspeed_can_parse(monkeypatch):
+    from dstrain.launch import _rank_env
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0 9.0a 10.0a+PTX")
+    env = _rank_env("cuda", 8)
+    assert env["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0 9.0a 10.0a+PTX"  # only the ranks' copy is changed
+
+
 # ------------------------------------------------------------------ jobs through the real launcher
 
 @dataclass
@@ -347,7 +385,9 @@ def killed_rank(tmp_path_factory):
     job.wait_for(lambda: latest_tag(run_dir) == "step00000002" and (held / "rng_rank0.pt").exists(),
                  "a first checkpoint and rank 0's part of the second")
     os.kill(int((run_dir / "ranks" / "rank1.pid").read_text()), signal.SIGKILL)
-    return job, ended(job, job.finish(timeout=120))
+    result = ended(job, job.finish(timeout=120))
+    print(f"job ended {result.seconds:.1f} s after SIGKILL of rank 1 (exit {result.code})")
+    return job, result
 
 
 @pytest.mark.integration
@@ -398,7 +438,9 @@ def terminated(tmp_path_factory):
     job = Job.start(run_dir, "train.max_steps=100000", "train.save_every=100000")
     job.wait_for(lambda: len(metric_steps(run_dir)) >= 3, "three training steps")
     job.process.send_signal(signal.SIGTERM)
-    return job, ended(job, job.finish(timeout=150))
+    result = ended(job, job.finish(timeout=150))
+    print(f"job ended {result.seconds:.1f} s after SIGTERM (exit {result.code}, checkpoint {result.latest})")
+    return job, result
 
 
 @pytest.mark.integration
@@ -433,8 +475,6 @@ def test_resume_after_sigterm_continues_from_its_checkpoint(terminated):
 
 # -------- SIGINT right after launch, before any rank has started; a secret and a broken arch list
 
-SECRET = "comet-key-0123456789"
-
 
 @pytest.fixture(scope="module")
 def interrupted_early(tmp_path_factory):
@@ -452,7 +492,9 @@ def interrupted_early(tmp_path_factory):
     job.wait_for(lambda: runner_started(run_dir), "the deepspeed runner starting")
     ranks_up = sorted(p.name for p in (run_dir / "ranks").glob("*.pid"))
     job.process.send_signal(signal.SIGINT)
-    return job, ended(job, job.finish(timeout=150)), seen, ranks_up
+    result = ended(job, job.finish(timeout=150))
+    print(f"job ended {result.seconds:.1f} s after SIGINT (exit {result.code}, checkpoint {result.latest})")
+    return job, result, seen, ranks_up
 
 
 @pytest.mark.integration
@@ -487,6 +529,7 @@ def test_ranks_get_the_real_secret(interrupted_early):
 def test_the_secret_is_in_no_file_of_the_run_but_the_private_one(interrupted_early):
     job, result, _, _ = interrupted_early
     assert SECRET not in result.output
+    assert any((job.run_dir / CHECKPOINTS / result.latest).glob("*.pt"))  # checkpoint files are scanned too
     holders = [p.relative_to(job.run_dir) for p in job.run_dir.rglob("*") if p.is_file()
                and SECRET.encode() in p.read_bytes()]
     assert holders == [Path(".secrets.json")]  # not config.yaml, ds_config.json, nor any checkpoint file
