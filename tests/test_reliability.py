@@ -24,7 +24,7 @@ import pytest
 from dstrain.checkpoint import (CHECKPOINTS, COMPLETE_MARK, LATEST, complete_checkpoints, find_resume, prune,
                                 tag_for, verify)
 from dstrain.errors import UserError
-from launcher import TINY, losses
+from launcher import TINY
 
 TESTS = Path(__file__).parent
 SHARDS = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
