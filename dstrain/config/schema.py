@@ -103,6 +103,9 @@ class TrainConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each transformer block in backward instead of storing its activations, through
     DeepSpeed's checkpointing (see deepspeed.activation_checkpointing for partition/cpu options)."""
+    compile: bool = False
+    """Compile the model with torch.compile (DeepSpeed's engine.compile) before training: fused
+    kernels, faster steps on GPU; costs compile time at start (see docs/benchmarks.md)."""
     seed: int = 1234
     """Seed for model init, data order and dropout; the same seed gives the same run."""
     log_every: PositiveInt = 10
