@@ -407,6 +407,19 @@ def _stop_ranks(run_dir: Path, sig: int, own_ranks: range | None = None, skip: f
     return pids
 
 
+def _remove_shm_buffers(command: list[str]) -> None:
+    """DeepSpeed's CPU shared-memory all-reduce leaves one /dev/shm file (~66 MB) per local rank and
+    job behind, even after a clean exit; left alone they fill host RAM run after run."""
+    port = command[command.index("--master_port") + 1] if "--master_port" in command else None
+    if port is None:
+        return
+    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            leftover.unlink()
+        except OSError:
+            pass
+
+
 def failure_report(run_dir: Path, alive: set[int]) -> list[str]:
     """Which ranks failed and how, from the records ranks leave under ranks/. `alive`: ranks still
     running when the launcher gave up (they were stopped because of another rank, not failed)."""
@@ -429,6 +442,9 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
     and stop), and name the failed rank if the job fails. Returns the exit code."""
     # A new session: Ctrl-C reaches only us, and we ask the ranks to stop cleanly instead of
     # letting the launcher kill them mid-step.
+    # On a terminal the ranks write to it directly (rank 0's live progress bar needs a terminal);
+    # otherwise their output is piped through here and the launcher's chatter is filtered out.
+    interactive = sys.stdout.isatty()
     received: list[int] = []
     deadline: list[float] = []
     signalled: set[int] = set()
@@ -444,7 +460,8 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
     # and leave the job running, unsupervised.
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, env=env, stdout=None if interactive else subprocess.PIPE,
+                                   stderr=None if interactive else subprocess.STDOUT,
                                    start_new_session=True, text=True, bufsize=1)
     except BaseException:
         for s, handler in previous.items():
@@ -452,6 +469,8 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
         raise
 
     def pump() -> None:
+        if process.stdout is None:
+            return
         for line in process.stdout:
             if verbose or not _RUNNER_NOISE.search(line):
                 sys.stdout.write(line)
@@ -473,6 +492,7 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         _stop_ranks(run_dir, signal.SIGKILL, own_ranks)  # no orphan rank outlives the job
+        _remove_shm_buffers(command)
         reader.join(timeout=5)
         for s, handler in previous.items():
             signal.signal(s, handler)
