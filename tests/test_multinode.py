@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -204,8 +205,18 @@ def free_port() -> int:
 def test_two_nodes_with_one_rank_each_train_exactly_like_one_node_with_two_ranks(tmp_path):
     shared = tmp_path / "two_nodes"  # one run directory, as on a shared filesystem
     port = str(free_port())
-    nodes = [dstrain_run(shared, "--nodes", "2", "--gpus", "1", "--no-ssh", "--node-rank", str(rank),
-                         "--master-addr", "127.0.0.1", "--master-port", port) for rank in (1, 0)]
+
+    def node(rank: int) -> subprocess.Popen:
+        return dstrain_run(shared, "--nodes", "2", "--gpus", "1", "--no-ssh", "--node-rank", str(rank),
+                           "--master-addr", "127.0.0.1", "--master-port", port)
+
+    # Node 1 first, and node 0 only once node 1's rank is up and recorded: a node that starts
+    # later must leave the records of the ranks already running elsewhere alone.
+    nodes = [node(1)]
+    deadline = time.monotonic() + 300
+    while not (shared / "ranks" / "rank1.pid").exists() and nodes[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    nodes.append(node(0))
     single = tmp_path / "one_node"
     for node in nodes:
         assert_ok(finish(node))

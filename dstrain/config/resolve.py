@@ -142,6 +142,8 @@ def _pydantic_message(e: dict) -> str:
     if e["type"] == "extra_forbidden":
         return "unknown key"
     value = e.get("input")
+    if e["type"] == "value_error" and isinstance(value, dict):  # a check across a section's fields
+        return e["msg"].removeprefix("Value error, ")
     shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
     return f"{e['msg']} (got {shown[:80]})"
 
@@ -157,6 +159,8 @@ def _pydantic_fix(e: dict, path: str) -> str:
         hint = dsk.suggest(parts[-1], model.model_fields)
         prefix = parts[0] + "." if len(parts) == 2 else ""
         return (hint + " " if hint else "") + "valid keys: " + ", ".join(prefix + f for f in model.model_fields)
+    if e["type"] == "value_error" and isinstance(e.get("input"), dict):
+        return "change the values the message names so that they agree"
     if model is not None and parts[-1] in model.model_fields:
         return (model.model_fields[parts[-1]].description or "").strip().split("\n")[0]
     return "see `dstrain config --explain` for the valid keys"
@@ -350,6 +354,23 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
         ds.pop("fp16") if ds["fp16"] == {"enabled": False} else None
     if train.precision != "bf16" and ds.get("bf16") == {"enabled": False}:
         ds.pop("bf16")
+    if train.precision in ("bf16", "fp16") and train.mixed_precision == "autocast":
+        ds[train.precision]["enabled"] = False  # fp32 weights; torch.autocast does the low-precision math
+        if ds[train.precision] == {"enabled": False}:
+            ds.pop(train.precision)
+        ds["torch_autocast"] = {**(ds.get("torch_autocast") or {}), "enabled": True,
+                                "dtype": "bfloat16" if train.precision == "bf16" else "float16"}
+        notes["deepspeed.torch_autocast"] = "follows train.mixed_precision=autocast"
+    elif train.precision == "bf16" and "check_grad_overflow" not in ds["bf16"]:
+        # DeepSpeed's default checks every gradient for inf/NaN before a bf16 ZeRO-1/2 step: six
+        # kernels per parameter plus host syncs, 20% of a step on one GPU (docs/benchmarks.md).
+        # bf16 has fp32's range; like plain PyTorch, a non-finite loss shows in the logged loss.
+        ds["bf16"]["check_grad_overflow"] = False
+        notes["deepspeed.bf16.check_grad_overflow"] = "dstrain default: no per-gradient overflow check in bf16"
+    if "timers" not in ds:
+        # DeepSpeed's throughput timer synchronizes the device twice a step; dstrain times steps itself.
+        ds["timers"] = {"throughput": {"enabled": False}}
+        notes["deepspeed.timers"] = "dstrain default: DeepSpeed's throughput timer off (dstrain measures throughput)"
 
     adam_params = {"lr": train.lr, "betas": list(train.betas), "eps": train.eps, "weight_decay": train.weight_decay}
     optimizer = ds.get("optimizer")
@@ -373,7 +394,7 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
 
     # Not clamped to max_steps: the schedule of the first steps must not depend on how long the run
     # is, or a run extended with --resume would not continue like one that was always that long.
-    warmup = train.warmup_steps
+    warmup = max(train.warmup_steps, 1)  # DeepSpeed's schedulers refuse 0; one step of warmup is none
     scheduler_autos = {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr, "warmup_num_steps": warmup,
                        "total_num_steps": train.max_steps}
     if ds.get("scheduler") is None:

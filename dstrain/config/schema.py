@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, NonNegativeFloat, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, NonNegativeFloat, model_validator
 
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # torch's Adam rejects betas outside [0, 1)
@@ -40,13 +40,12 @@ class ModelConfig(Section):
     kwargs: dict[str, Any] = {}
     """Keyword arguments passed to a model entry point (ignored for "gpt")."""
 
-    @field_validator("n_head")
-    @classmethod
-    def _heads_divide_width(cls, n_head: int, info) -> int:
-        d_model = info.data.get("d_model")
-        if d_model is not None and d_model % n_head:
-            raise ValueError(f"n_head={n_head} must divide d_model={d_model}")
-        return n_head
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "ModelConfig":
+        # After all fields: n_head is declared before d_model, so a field validator would not see it.
+        if self.name == "gpt" and self.d_model % self.n_head:
+            raise ValueError(f"model.n_head={self.n_head} must divide model.d_model={self.d_model}")
+        return self
 
 
 class DataConfig(Section):
@@ -80,6 +79,10 @@ class TrainConfig(Section):
     left unset it is micro_batch_size x grad_accum_steps x world size."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Training precision: "auto" is bf16 on a GPU that supports it, fp16 on older GPUs, fp32 on CPU."""
+    mixed_precision: Literal["deepspeed", "autocast"] = "deepspeed"
+    """How bf16/fp16 training runs: "deepspeed" (DeepSpeed's bf16/fp16 optimizer: low-precision weights,
+    an fp32 master copy inside the optimizer) or "autocast" (fp32 weights, torch.autocast compute:
+    DeepSpeed's torch_autocast section; 4 more bytes per parameter). Ignored for fp32. See docs/benchmarks.md."""
     optimizer: Literal["adamw", "adam", "lamb", "onebitadam", "onebitlamb", "zerooneadam"] = "adamw"
     """Optimizer when the deepspeed section names none; Adam/AdamW become FusedAdam on GPU
     and DeepSpeedCPUAdam when the optimizer is offloaded."""
