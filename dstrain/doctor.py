@@ -105,6 +105,7 @@ def collect(nvme_path: Path | None = None) -> Report:
     report["libaio"] = _libaio(report.get("ops", {}), nvme_path is not None, problems)
     report["torch_cuda_arch_list"] = _arch_list(report.get("gpus", []), problems)
     report["extension_locks"] = _locks(problems)
+    report["shm_buffers"] = _shm_buffers(problems)
 
     nvme, nvme_problems = check_nvme(nvme_path or Path(tempfile.gettempdir()),
                                      explicit=nvme_path is not None)
@@ -407,6 +408,20 @@ def _locks(problems: Problems) -> dict[str, Any]:
                  f"stale build lock {lock}: the next JIT build of {lock.parent.name} will hang forever",
                  f"rm {shlex.quote(str(lock))}")
     return {"stale": [str(lock) for lock in stale]}
+
+
+def _shm_buffers(problems: Problems, older_than_s: float = 600) -> dict[str, Any]:
+    """DeepSpeed's CPU all-reduce leaves /dev/shm/deepspeed_allreduce_buffer_* behind (~66 MB per rank
+    and job) when a job was not run by a current `dstrain run`, which removes its own. They hold RAM."""
+    now = time.time()
+    stale = [p for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")
+             if now - p.stat().st_mtime > older_than_s]
+    total = sum(p.stat().st_size for p in stale)
+    if stale:
+        _problem(problems, "shm_buffers", "warning",
+                 f"{len(stale)} leftover DeepSpeed shared-memory buffers hold {total / 2**30:.1f} GiB of RAM",
+                 "with no DeepSpeed job running: rm /dev/shm/deepspeed_allreduce_buffer_*")
+    return {"stale": len(stale), "bytes": total}
 
 
 # --------------------------------------------------------------------------- NVMe

@@ -253,3 +253,19 @@ def test_render_shows_problems_and_their_fixes(report):
     for expected in ("DeepSpeed ops", "cpu_adam", "libaio missing", "apt-get install -y libaio-dev",
                      "1 error(s)"):
         assert expected in text
+
+
+def test_leftover_deepspeed_shm_buffers_are_reported_with_a_fix(tmp_path):
+    import os
+    import time
+    leftover = Path("/dev/shm") / f"deepspeed_allreduce_buffer_0_127.0.0.1_1_doctor{os.getpid()}"
+    leftover.write_bytes(b"\0" * 4096)
+    old = time.time() - 3600
+    os.utime(leftover, (old, old))
+    try:
+        report = doctor.collect(nvme_path=tmp_path)
+    finally:
+        leftover.unlink()
+    assert report["shm_buffers"]["stale"] >= 1
+    problem = next(p for p in report["problems"] if p["check"] == "shm_buffers")
+    assert problem["severity"] == "warning" and "rm /dev/shm/deepspeed_allreduce_buffer_" in problem["fix"]
