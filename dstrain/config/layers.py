@@ -138,7 +138,8 @@ def merge(layers: list[Layer]) -> Merged:
 def _merge_into(merged: Merged, target: dict, incoming: dict, source: Source, prefix: str) -> None:
     for key, value in incoming.items():
         path = f"{prefix}{key}"
-        if isinstance(value, dict) and value and isinstance(target.get(key), dict):
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            # Key by key; an empty mapping ("deepspeed: {}") changes nothing rather than wiping the section.
             _merge_into(merged, target[key], value, source, path + ".")
             continue
         # A whole value replaced: forget the sources of whatever was below it.

@@ -362,9 +362,10 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
                                 "dtype": "bfloat16" if train.precision == "bf16" else "float16"}
         notes["deepspeed.torch_autocast"] = "follows train.mixed_precision=autocast"
     elif train.precision == "bf16" and "check_grad_overflow" not in ds["bf16"]:
-        # DeepSpeed's default checks every gradient for inf/NaN before a bf16 ZeRO-1/2 step: six
-        # kernels per parameter plus host syncs, 20% of a step on one GPU (docs/benchmarks.md).
-        # bf16 has fp32's range; like plain PyTorch, a non-finite loss shows in the logged loss.
+        # DeepSpeed's default checks every gradient for inf/NaN before a bf16 ZeRO-1/2 step: about
+        # 13 host-launched kernels per parameter and a host sync, which made a 406M GPT's step
+        # host-bound on an H100 (docs/benchmarks.md). bf16 has fp32's range, so overflow is not the
+        # fp16 risk the check exists for; as in plain PyTorch, a non-finite loss shows in the log.
         ds["bf16"]["check_grad_overflow"] = False
         notes["deepspeed.bf16.check_grad_overflow"] = "dstrain default: no per-gradient overflow check in bf16"
     if "timers" not in ds:
@@ -398,15 +399,19 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
     scheduler_autos = {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr, "warmup_num_steps": warmup,
                        "total_num_steps": train.max_steps}
     if ds.get("scheduler") is None:
+        # Warmup starts at lr / warmup, not 0: DeepSpeed's first step would otherwise be wasted at lr 0.
+        start = 1.0 / warmup if train.warmup_steps else 1.0
+        ours = {**scheduler_autos, "warmup_min_lr": train.lr * start}
         if train.schedule == "cosine":
             ds["scheduler"] = {"type": "WarmupCosineLR", "params": {
-                "total_num_steps": train.max_steps, "warmup_num_steps": warmup, "warmup_min_ratio": 0.0,
+                "total_num_steps": train.max_steps, "warmup_num_steps": warmup, "warmup_min_ratio": start,
                 "cos_min_ratio": train.min_lr_ratio, "warmup_type": "linear"}}
         elif train.schedule == "linear":
-            ds["scheduler"] = {"type": "WarmupDecayLR", "params": {**scheduler_autos, "warmup_type": "linear"}}
+            ds["scheduler"] = {"type": "WarmupDecayLR", "params": {**ours, "warmup_type": "linear"}}
         else:
             ds["scheduler"] = {"type": "WarmupLR", "params": {
-                k: scheduler_autos[k] for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps")}}
+                **{k: ours[k] for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps")},
+                "warmup_type": "linear"}}
         notes["deepspeed.scheduler"] = "dstrain: from train.schedule, lr, warmup_steps, max_steps"
     elif not isinstance(ds["scheduler"], dict):
         problems.append(Problem("must be a mapping", _where(merged, "deepspeed.scheduler"),
