@@ -1,0 +1,44 @@
+"""`dstrain estimate` end to end (the issue's acceptance figures) and `dstrain run --preset auto`."""
+
+from __future__ import annotations
+
+import json
+
+from launcher import dstrain
+
+P, N = 7e9, 8
+ZERO_PAPER = {"stage1": 4 * P + 12 * P / N, "stage2": 2 * P + 14 * P / N, "stage3": 16 * P / N}
+
+
+def _estimate_json(*args: str) -> dict:
+    result = dstrain("estimate", *args, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_estimate_7b_on_8_gpus_lists_six_presets_within_the_zero_paper_band():
+    report = _estimate_json("--params", "7e9", "--gpus", "8", "--nodes", "1")
+    presets = {p["name"]: p for p in report["presets"]}
+    assert list(presets) == ["stage1", "stage2", "stage2_offload", "stage3", "stage3_offload", "stage3_nvme"]
+    for name, paper in ZERO_PAPER.items():
+        ratio = presets[name]["gpu_bytes_per_gpu"] / paper
+        assert 0.8 <= ratio <= 1.6, (name, ratio)
+    assert presets["stage3_offload"]["gpu_bytes_per_gpu"] < presets["stage3"]["gpu_bytes_per_gpu"] / 4
+    assert presets["stage3_offload"]["cpu_bytes_per_node"] >= 16 * P
+    assert presets["stage3_nvme"]["nvme_bytes"] > 0
+    assert report["recommended"] in presets
+
+
+def test_estimate_recommends_the_fastest_preset_that_fits():
+    roomy = _estimate_json("--params", "1e8", "--gpus", "1", "--gpu-mem", "80", "--cpu-mem", "512")
+    assert roomy["recommended"] == "stage1"
+    tight = _estimate_json("--params", "13e9", "--gpus", "1", "--gpu-mem", "24", "--cpu-mem", "512")
+    assert tight["recommended"] in ("stage3_offload", "stage3_nvme")
+    assert "fastest" in tight["reason"]
+
+
+def test_run_preset_auto_picks_a_preset_and_says_why():
+    result = dstrain("run", "--preset", "auto", "--accelerator", "cpu", "--gpus", "1", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "--preset auto: stage1" in result.stdout
+    assert "fastest preset that fits" in result.stdout
