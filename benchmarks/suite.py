@@ -222,6 +222,10 @@ def worker(spec_path: Path) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     train_sampler, eval_sampler = build_samplers(config)
     t = config.train
+    if spec.get("gc_freeze"):  # diagnostic: what dstrain's worker does before its loop
+        import gc
+        gc.collect()
+        gc.freeze()
     if spec.get("dstrain_loop"):
         intervals = _run_dstrain_loop(engine, config, Path(spec["result_path"]).with_suffix(".run"),
                                       train_sampler, eval_sampler, device, rank, world)
@@ -331,6 +335,10 @@ def _shape_sets(args, preset: str, gpus: int) -> list[str]:
     if preset == "stage3_nvme":
         for part in ("offload_param", "offload_optimizer"):
             sets.append(f"deepspeed.zero_optimization.{part}.nvme_path={args.nvme_path}")
+        # Each swap buffer must hold the largest parameter: the embedding (vocab x width) here, which is
+        # more than the preset's 1e8 elements from a 97k vocabulary at width 1024 on.
+        largest = max(args.vocab_size * args.d_model, 4 * args.d_model * args.d_model)
+        sets.append(f"deepspeed.zero_optimization.offload_param.buffer_size={max(10**8, -(-largest // 10**6) * 10**6)}")
     return sets + list(args.set or [])
 
 
@@ -379,6 +387,7 @@ def _summarise(intervals: list[dict], warmup: int, tokens_per_step: int) -> dict
     return {"tokens_per_s": tokens_per_s, "step_ms": step_s * 1000, "intervals_used": len(steady),
             "spread": (max(iv["tokens_per_s"] for iv in steady) - min(iv["tokens_per_s"] for iv in steady)) / tokens_per_s,
             "first_interval_end": intervals[0]["time"], "first_interval_steps": intervals[0]["steps"],
+            "interval_tokens_per_s": [round(iv["tokens_per_s"]) for iv in intervals],
             "loss_curve": [[iv["step"], round(iv["loss"], 5)] for iv in intervals]}
 
 
@@ -421,7 +430,8 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
         spec = {"runner": runner, "accelerator": args.accelerator, "config": resolved.config.model_dump(mode="json"),
                 "ds_config": resolved.ds_config, "result_path": str(work / f"{tag}.result.json"),
                 "profile": args.profile and runner in args.profile_runners,
-                "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags}
+                "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags,
+                "gc_freeze": "gc_freeze" in flags}
         spec_path = work / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
         Path(spec["result_path"]).unlink(missing_ok=True)
@@ -458,7 +468,8 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
         row["status"] = ("timeout" if timed_out else f"failed (exit {code})") + f": {type(err).__name__}: {err}"
         row["log_tail"] = tail
         return row
-    row.update({k: summary[k] for k in ("tokens_per_s", "step_ms", "intervals_used", "spread", "loss_curve")})
+    row.update({k: summary[k] for k in ("tokens_per_s", "step_ms", "intervals_used", "spread", "loss_curve",
+                                        "interval_tokens_per_s")})
     row["tflops_per_gpu"] = summary["tokens_per_s"] * model["flops_per_token"] / max(gpus, 1) / 1e12
     row["first_step_s"] = round(summary["first_interval_end"] - t0
                                 - (summary["first_interval_steps"] - 1) * summary["step_ms"] / 1000, 2)
@@ -473,7 +484,8 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
 def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     """'NAME[@runner,...]=key=value;+flag;...' -> (name, runners, dstrain overrides, suite flags).
     Runners default to deepspeed,dstrain. Flags: +compile (torch runner: torch.compile the model),
-    +dstrain_loop (deepspeed runner: drive the hand-built engine with dstrain's train loop)."""
+    +dstrain_loop (deepspeed runner: drive the hand-built engine with dstrain's train loop),
+    +gc_freeze (torch/deepspeed runners: gc.freeze() before the loop, as dstrain's worker does)."""
     head, _, body = text.partition("=")
     name, _, runners = head.partition("@")
     items = [s for s in body.split(";") if s]
@@ -486,14 +498,18 @@ def _row_key(row: dict) -> tuple:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    by_key = {_row_key(r): r for r in rows if r.get("tokens_per_s")}
-    for r in rows:
-        if not r.get("tokens_per_s"):
-            continue
-        torch_row = by_key.get(("torch", "none", r["gpus"], ""))
+    """vs_torch and (dstrain rows) vs_deepspeed, against the partner row measured in the same suite
+    run (`source`) when there is one: runs on different machines or days differ by more than 2%."""
+    measured = [r for r in rows if r.get("tokens_per_s")]
+
+    def partner(key: tuple, source) -> dict | None:
+        same = [r for r in measured if _row_key(r) == key]
+        return next((r for r in same if r.get("source") == source), same[0] if same else None)
+    for r in measured:
+        torch_row = partner(("torch", "none", r["gpus"], ""), r.get("source"))
         r["vs_torch"] = round(r["tokens_per_s"] / torch_row["tokens_per_s"], 3) if torch_row else None
         if r["runner"] == "dstrain":
-            ds = by_key.get(("deepspeed", r["preset"], r["gpus"], r.get("variant", "")))
+            ds = partner(("deepspeed", r["preset"], r["gpus"], r.get("variant", "")), r.get("source"))
             r["vs_deepspeed"] = round(r["tokens_per_s"] / ds["tokens_per_s"], 3) if ds else None
 
 
@@ -518,6 +534,9 @@ def write_results(path: Path, doc: dict) -> None:
         keys = {_row_key(r) for r in doc["rows"]}
         doc = {**doc, "rows": [r for r in old.get("rows", []) if _row_key(r) not in keys] + doc["rows"]}
     add_ratios(doc["rows"])
+    order = ("none",) + PRESETS
+    doc["rows"].sort(key=lambda r: (r["gpus"], order.index(r["preset"]) if r["preset"] in order else len(order),
+                                    r.get("variant") or "", ("torch", "deepspeed", "dstrain").index(r["runner"])))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
@@ -525,9 +544,18 @@ def write_results(path: Path, doc: dict) -> None:
 
 
 def merge(files: list[Path], output: Path) -> None:
+    """Merge suite result files (later files win for the same runner/preset/gpus/variant); each row
+    keeps the name of the file it was measured in as `source`, which pairs rows for the ratios."""
     for f in files:
-        write_results(output, json.loads(f.read_text()))
-    print(table(json.loads(output.read_text())["rows"]))
+        doc = json.loads(f.read_text())
+        for row in doc["rows"]:
+            row.setdefault("source", f.stem)
+        write_results(output, doc)
+    merged = json.loads(output.read_text())
+    merged["parts"] = [{"source": f.stem, "command": json.loads(f.read_text()).get("command")} for f in files]
+    merged.pop("command", None)
+    output.write_text(json.dumps(merged, indent=1))
+    print(table(merged["rows"]))
 
 
 def main(argv: list[str]) -> int:
@@ -553,7 +581,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
     p.add_argument("--data", default="synthetic", help="dstrain data.source: synthetic (random tokens) or corpus")
-    p.add_argument("--steps", type=int, default=40, help="steps per row (offload presets: 1/2, NVMe: 1/4)")
+    p.add_argument("--steps", type=int, default=60,
+                   help="steps per row (offload presets: 1/2, NVMe: 1/5); host-bound rows vary by 10%% "
+                        "between intervals, so fewer than ~10 measured intervals give noisy ratios")
     p.add_argument("--log-every", type=int, default=5, help="steps per timing interval")
     p.add_argument("--warmup", type=int, default=10, help="steps excluded from the median")
     p.add_argument("--set", action="append", help="extra dstrain override for every row, e.g. train.lr=3e-4")

@@ -8,6 +8,7 @@ RUN_DIR/ranks/, so `dstrain run` can name the rank that failed.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -162,6 +163,10 @@ def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
         return {"step": step, "samples_seen": step * config.train.global_batch_size, "world_size": world,
                 "config_hash": launch.get("config_hash"), "dstrain_version": launch.get("dstrain_version")}
 
+    # Everything built so far (torch, DeepSpeed, the model, the engine) lives until the end: move it
+    # out of the garbage collector's reach, so its periodic full passes stay short (docs/benchmarks.md).
+    gc.collect()
+    gc.freeze()
     state = train(engine, config, run_dir, train_sampler, eval_sampler, start_step, metrics, device,
                   client_state, stop)
     if config.train.export_final and state.stopped_by is None:
