@@ -177,6 +177,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _fit_nvme_swap_buffer(resolved: ResolvedConfig, largest: int) -> None:
+    """NVMe parameter offload swaps through buffers of offload_param.buffer_size elements, and DeepSpeed
+    fails mid-start when one parameter (a large embedding, say) does not fit one: grow it to fit."""
+    offload = (resolved.ds_config.get("zero_optimization") or {}).get("offload_param") or {}
+    if offload.get("device") == "nvme" and int(offload.get("buffer_size", 100_000_000)) < largest:
+        offload["buffer_size"] = largest
+        resolved.warnings.append(f"deepspeed.zero_optimization.offload_param.buffer_size raised to {largest:,}: "
+                                 "the model's largest parameter must fit one NVMe swap buffer")
+
+
 def _check_runtime(resolved: ResolvedConfig) -> int:
     """Checks that import DeepSpeed/torch: DeepSpeed's config models, the model (built on the meta
     device: no memory) and the data source. Returns the parameter count."""
@@ -188,13 +198,14 @@ def _check_runtime(resolved: ResolvedConfig) -> int:
     from dstrain.models import model_builder
     build = model_builder(resolved.config)
     try:
-        params, _ = count_model(build)
+        params, largest = count_model(build)
     except UserError:
         raise
     except Exception as err:  # noqa: BLE001 - a user model that cannot be built is bad input
         raise UserError.single(f"building the model failed: {type(err).__name__}: {err}", "model",
                                "check model.name and model.kwargs")
     _check_data(resolved)
+    _fit_nvme_swap_buffer(resolved, largest)
     return params
 
 
@@ -330,9 +341,9 @@ def launch(o: LaunchOptions) -> int:
         preset, reason = choose_preset(o.config_file, o.sets, ranks, nodes, accelerator)
         console.print(f"--preset auto: {preset} ({reason})")
     resolved = resolve(preset, o.config_file, o.sets, world_size=world, accelerator=accelerator)
+    params = _check_runtime(resolved)
     for warning in resolved.warnings:
         console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
-    params = _check_runtime(resolved)
 
     run_dir = o.run_dir or _default_run_dir(resolved)
     resume_info, notes = None, []

@@ -85,8 +85,10 @@ def test_betas_follow_the_deepspeed_spelling_from_a_higher_layer(tmp_path):
 
 def test_deepspeed_optimizer_set_partially_still_names_its_type():
     # A section holding only params.lr used to reach DeepSpeed without "type".
+    # The other Adam settings keep train.*'s values, not DeepSpeed's defaults.
     optimizer = resolve(sets=["deepspeed.optimizer.params.lr=3e-4"], env={}).ds_config["optimizer"]
-    assert optimizer == {"type": "AdamW", "params": {"lr": 3e-4}}
+    assert optimizer == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                     "weight_decay": 0.1}}
 
 
 def test_precision_from_a_higher_layer_wins_over_a_deepspeed_bf16_section(tmp_path):

@@ -386,11 +386,14 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
     else:
         # A partial section (`--set deepspeed.optimizer.params.lr=...`) still names its optimizer:
         # without "type" DeepSpeed would expect a client optimizer and fail at start.
-        if "type" not in optimizer:
+        partial = "type" not in optimizer
+        if partial:
             optimizer["type"] = OPTIMIZER_TYPES[train.optimizer]
         params = optimizer["params"] = optimizer.get("params") or {}
         for key, value in adam_params.items():
-            if key in params or key == "lr":
+            # A partial section is train.optimizer with a few keys changed: the rest keep train.*'s
+            # values, not DeepSpeed's own defaults (betas 0.999, weight decay 0.01).
+            if key in params or key == "lr" or partial:
                 params[key] = value
 
     # Not clamped to max_steps: the schedule of the first steps must not depend on how long the run
