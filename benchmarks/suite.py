@@ -128,13 +128,8 @@ def _torch_step(config, device, world: int, local_rank: int, compile_model: bool
 def _deepspeed_step(config, ds_config: dict):
     """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it."""
     import deepspeed
-    from dstrain.models import model_builder
-    build = model_builder(config)
-    if (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
-        with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = build()
-    else:
-        model = build()
+    from dstrain.models import build_model
+    model = build_model(config, ds_config)
     if config.train.activation_checkpointing:
         ac = ds_config.get("activation_checkpointing") or {}
         deepspeed.checkpointing.configure(

@@ -102,7 +102,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     from dstrain.checkpoint import write_atomic
     from dstrain.data import build_samplers
     from dstrain.loop import evaluate
-    from dstrain.models import model_builder
+    from dstrain.models import build_model
     from dstrain.worker import _quiet, _seed_everything
 
     _quiet(launch["verbose"])
@@ -117,12 +117,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     _seed_everything(config.train.seed)
 
     _, eval_sampler = build_samplers(config)
-    build = model_builder(config)
-    if (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
-        with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = build()
-    else:
-        model = build()
+    model = build_model(config, ds_config)
     # The run's own DeepSpeed config, optimizer included: ZeRO keeps the fp32 weights in the
     # optimizer's partitions, and loading them is what makes the evaluated weights the trained ones.
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,

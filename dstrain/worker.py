@@ -114,18 +114,12 @@ def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
     from dstrain import checkpoint
     from dstrain.data import build_samplers
     from dstrain.metrics import MetricsLog
-    from dstrain.models import model_builder
+    from dstrain.models import build_model
     from dstrain.loop import train
 
     started = time.perf_counter()
     train_sampler, eval_sampler = build_samplers(config)
-    build = model_builder(config)
-    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if stage == 3:  # parameters are partitioned as each layer is created: the model is never whole
-        with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = build()
-    else:
-        model = build()
+    model = build_model(config, ds_config)
     if config.train.activation_checkpointing:
         _enable_activation_checkpointing(model, ds_config, rank)
 

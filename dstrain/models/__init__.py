@@ -54,3 +54,14 @@ def _check_loss(name: str):
                                "forward(batch) must return a scalar floating-point loss tensor, "
                                "e.g. `return F.cross_entropy(logits.flatten(0, 1), targets.flatten())`")
     return hook
+
+
+def build_model(config: RunConfig, ds_config: dict) -> nn.Module:
+    """The configured model, built inside deepspeed.zero.Init for ZeRO stage 3 so that parameters are
+    partitioned as each layer is created: a model larger than one device is never whole on one rank."""
+    import deepspeed
+    build = model_builder(config)
+    if (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            return build()
+    return build()
