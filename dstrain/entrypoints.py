@@ -45,3 +45,14 @@ def load_entry_point(spec: str, key: str) -> Callable:
         raise UserError.single(f"module {module_name!r} has no function {attr!r}", key,
                                "check the function name after the ':'")
     return func
+
+
+def call_entry_point(func: Callable, spec: str, key: str, kwargs_key: str, kwargs: dict):
+    """Call a user's entry point; its own failure is bad input (exit 2), named with its keys."""
+    try:
+        return func(**kwargs)
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's function failing is a problem with their input
+        raise UserError.single(f"calling {spec}(**{kwargs_key}) failed: {type(err).__name__}: {err}",
+                               f"{key} / {kwargs_key}", f"check the function and the keys in {kwargs_key}")

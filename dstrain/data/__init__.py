@@ -33,17 +33,11 @@ def check_source(config: RunConfig) -> None:
 
 def load_dataset(config: RunConfig):
     """A user's map-style Dataset from the data.source entry point, called with data.kwargs."""
-    from dstrain.entrypoints import load_entry_point
+    from dstrain.entrypoints import call_entry_point, load_entry_point
 
     data = config.data
     factory = load_entry_point(data.source, "data.source")
-    try:
-        dataset = factory(**data.kwargs)
-    except UserError:
-        raise
-    except Exception as err:  # noqa: BLE001 - the user's function failing is a problem with their input
-        raise UserError.single(f"calling {data.source}(**data.kwargs) failed: {type(err).__name__}: {err}",
-                               "data.source / data.kwargs", "check the function and the keys in data.kwargs")
+    dataset = call_entry_point(factory, data.source, "data.source", "data.kwargs", data.kwargs)
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise UserError.single(f"{data.source} returned {type(dataset).__name__}, not a map-style Dataset "
                                "(with __len__ and __getitem__)", "data.source",

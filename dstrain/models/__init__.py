@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dstrain.config.schema import RunConfig
-from dstrain.entrypoints import load_entry_point
+from dstrain.entrypoints import call_entry_point, load_entry_point
 from dstrain.errors import UserError
 
 
@@ -26,13 +26,7 @@ def model_builder(config: RunConfig) -> Callable[[], nn.Module]:
     factory = load_entry_point(m.name, "model.name")
 
     def build() -> nn.Module:
-        try:
-            model = factory(**m.kwargs)
-        except UserError:
-            raise
-        except Exception as err:  # noqa: BLE001 - the user's function failing is a problem with their input
-            raise UserError.single(f"calling {m.name}(**model.kwargs) failed: {type(err).__name__}: {err}",
-                                   "model.name / model.kwargs", "check the function and the keys in model.kwargs")
+        model = call_entry_point(factory, m.name, "model.name", "model.kwargs", m.kwargs)
         if not isinstance(model, nn.Module):
             raise UserError.single(f"{m.name} returned {type(model).__name__}, not a torch nn.Module", "model.name",
                                    "return the module itself, e.g. `return MyModel(**kwargs)`")
