@@ -384,7 +384,8 @@ def launch(o: LaunchOptions) -> int:
         _write_synthetic_hostfile(run_dir, ranks, nodes)
     console.print(f"run directory: {run_dir}")
     command = _runner_command(o, ranks, nodes, run_dir, port)
-    return supervise(command, _rank_env(accelerator, max(active.values())), run_dir, o.verbose, console, own_ranks)
+    return supervise(command, _rank_env(accelerator, max(active.values())), run_dir, o.verbose, console, own_ranks,
+                     saves=resolved.config.train.save_checkpoints)
 
 
 # ---------------------------------------------------------------- supervising the ranks
@@ -448,9 +449,9 @@ def failure_report(run_dir: Path, alive: set[int]) -> list[str]:
 
 
 def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: bool, console: Console,
-              own_ranks: range | None = None) -> int:
-    """Run the deepspeed runner, filter its chatter, forward SIGTERM/SIGINT to the ranks (which save
-    and stop), and name the failed rank if the job fails. Returns the exit code."""
+              own_ranks: range | None = None, saves: bool = True) -> int:
+    """Run the deepspeed runner, filter its chatter, forward SIGTERM/SIGINT to the ranks (which save,
+    unless `saves` is false, and stop), and name the failed rank if the job fails. Returns the exit code."""
     # A new session: Ctrl-C reaches only us, and we ask the ranks to stop cleanly instead of
     # letting the launcher kill them mid-step.
     # On a terminal the ranks write to it directly (rank 0's live progress bar needs a terminal);
@@ -462,7 +463,8 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
 
     def forward(signum, _frame):
         if not received:
-            console.print(f"\n{signal.Signals(signum).name}: asking the ranks to save a checkpoint and stop")
+            console.print(f"\n{signal.Signals(signum).name}: asking the ranks to "
+                          + ("save a checkpoint and stop" if saves else "stop (train.save_checkpoints is false)"))
             deadline.append(time.monotonic() + STOP_GRACE_S)
         received.append(signum)
         signalled.update(_stop_ranks(run_dir, signal.SIGTERM, own_ranks))
@@ -509,7 +511,8 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
             signal.signal(s, handler)
     code = process.returncode
     if code == 0 and received:
-        console.print("stopped cleanly after a checkpoint; continue with --resume latest")
+        console.print("stopped cleanly after a checkpoint; continue with --resume latest" if saves
+                      else "stopped cleanly (no checkpoint: train.save_checkpoints is false)")
         return 128 + received[0]
     if code != 0:
         console.print(f"[bold red]training failed[/] (launcher exit code {code})")

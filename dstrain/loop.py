@@ -130,12 +130,12 @@ def train(engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler,
         if state.step % t.eval_every == 0 or (last and state.stopped_by is None):
             metrics.log_eval(state.step, evaluate(engine, config, eval_sampler, device))
             interval_start = time.perf_counter()  # evaluation time is not training throughput
-        if state.step % t.save_every == 0 or last:
+        if t.save_checkpoints and (state.step % t.save_every == 0 or last):
             saved = checkpoint.save(engine, run_dir, state.step, client_state(state.step), t.keep_last)
             metrics.note(f"checkpoint {saved.name} saved")
             interval_start = time.perf_counter()
         if state.stopped_by is not None:
             break
     vote.result()  # leave no collective in flight
-    metrics.finish(state)
+    metrics.finish(state, saved_checkpoint=t.save_checkpoints)
     return state

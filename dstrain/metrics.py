@@ -75,12 +75,13 @@ class MetricsLog:
         if self.enabled:
             (self.progress.console if self.progress else self.console).print(f"[dim]{text}[/]")
 
-    def finish(self, state) -> None:
+    def finish(self, state, saved_checkpoint: bool = True) -> None:
         if not self.enabled:
             return
         if self.progress is not None:
             self.progress.stop()
         if state.stopped_by:
-            self.console.print(f"stopped by {state.stopped_by} at step {state.step}; checkpoint saved "
-                               "(continue with --resume latest)")
+            saved = ("checkpoint saved (continue with --resume latest)" if saved_checkpoint
+                     else "no checkpoint saved (train.save_checkpoints is false)")
+            self.console.print(f"stopped by {state.stopped_by} at step {state.step}; {saved}")
         self.file.close()

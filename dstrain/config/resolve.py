@@ -98,6 +98,10 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str) -> Resolve
     _resolve_batch(config, merged, world_size, problems, notes)
     rendered = _render(config, merged, notes, problems)
     _cross_field_checks(rendered, merged, problems)
+    if config.train.export_final and not config.train.save_checkpoints:
+        problems.append(Problem("export_final converts the last checkpoint, but save_checkpoints is false",
+                                _where(merged, "train.export_final"),
+                                "set train.save_checkpoints=true, or train.export_final=false"))
     if problems:
         raise UserError(problems)
 

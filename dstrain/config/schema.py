@@ -119,6 +119,9 @@ class TrainConfig(Section):
     """Global batches of held-out samples in one evaluation (the same samples whatever the world size)."""
     save_every: PositiveInt = 100
     """Save a checkpoint every this many steps, and at the end."""
+    save_checkpoints: bool = True
+    """false: save no checkpoint at all (not at save_every, the end or a stop signal), for throwaway
+    runs such as benchmarks and memory probes, where writing the optimizer state costs minutes."""
     keep_last: PositiveInt = 2
     """Complete checkpoints to keep; older ones are deleted (never the only complete one)."""
     export_final: bool = False
