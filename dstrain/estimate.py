@@ -203,7 +203,9 @@ class Placement:
 @dataclass
 class PresetEstimate:
     """Memory needs of one preset. `*_breakdown` maps group -> term -> bytes, where the groups
-    are "model_states", "buffers", "activations", "runtime" (and "model_build" on the host)."""
+    are "model_states", "buffers", "activations", "runtime" and "model_build" (the model as first
+    built: on the host, or on the GPU for stages 0-2 with CUDA; the total counts it or the steady
+    state, whichever is larger)."""
 
     name: str
     placement: Placement
@@ -441,10 +443,16 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
     buffer_gpu = sum(buffers.values())
     activation_gpu = sum(act_gpu.values())
     gpu_total = model_state_gpu + buffer_gpu + activation_gpu + runtime_gpu
+    # dstrain builds stage 0-2 models on the GPU in fp32 (dstrain.models.build_model) before DeepSpeed
+    # casts them: a peak of its own where the steady state keeps less (optimizer offload, many ranks).
+    build_on_gpu = hw.accelerator == "cuda" and stage != 3
+    if build_on_gpu:
+        gpu_breakdown["model_build"] = {"fp32_model": BUILD_BYTES_PER_PARAM * P}
+        gpu_total = runtime_gpu + max(BUILD_BYTES_PER_PARAM * P, gpu_total - runtime_gpu)
 
     # Host, per node: runtime + max(model build, steady state).
     g = hw.gpus_per_node
-    build_numel = L if (stage == 3 and work.zero_init) else P
+    build_numel = 0 if build_on_gpu else L if (stage == 3 and work.zero_init) else P
     cpu_breakdown = {
         "model_states": {k: int(v * g * HOST_BUFFER_FACTOR) for k, v in states["cpu"].items()},
         "buffers": {k: v * g for k, v in host_buffers.items()},

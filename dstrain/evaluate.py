@@ -117,7 +117,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     _seed_everything(config.train.seed)
 
     _, eval_sampler = build_samplers(config)
-    model = build_model(config, ds_config)
+    model = build_model(config, ds_config, device)
     # The run's own DeepSpeed config, optimizer included: ZeRO keeps the fp32 weights in the
     # optimizer's partitions, and loading them is what makes the evaluated weights the trained ones.
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,

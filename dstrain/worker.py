@@ -119,7 +119,7 @@ def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
 
     started = time.perf_counter()
     train_sampler, eval_sampler = build_samplers(config)
-    model = build_model(config, ds_config)
+    model = build_model(config, ds_config, device)
     if config.train.activation_checkpointing:
         _enable_activation_checkpointing(model, ds_config, rank)
 

@@ -50,12 +50,18 @@ def _check_loss(name: str):
     return hook
 
 
-def build_model(config: RunConfig, ds_config: dict) -> nn.Module:
-    """The configured model, built inside deepspeed.zero.Init for ZeRO stage 3 so that parameters are
-    partitioned as each layer is created: a model larger than one device is never whole on one rank."""
+def build_model(config: RunConfig, ds_config: dict, device: torch.device) -> nn.Module:
+    """The configured model, built where it will train.
+
+    ZeRO stage 3: inside deepspeed.zero.Init, so that parameters are partitioned as each layer is
+    created and a model larger than one device is never whole on one rank. Other stages: directly
+    on `device` (torch's default-device context), so a large model is neither initialised by the
+    host's slow random number generator nor held whole in host RAM before DeepSpeed moves it.
+    """
     import deepspeed
     build = model_builder(config)
     if (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             return build()
-    return build()
+    with torch.device(device):
+        return build()
