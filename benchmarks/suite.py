@@ -93,7 +93,8 @@ def _torch_step(config, device, world: int, local_rank: int, compile_model: bool
     """Plain PyTorch: fp32 weights, autocast bf16, fused AdamW, clipping, DDP when world > 1."""
     import torch
     from dstrain.models import model_builder
-    model = model_builder(config)().to(device)
+    with torch.device(device):  # built where it trains, as dstrain's build_model does
+        model = model_builder(config)()
     params = list(model.parameters())
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -125,11 +126,11 @@ def _torch_step(config, device, world: int, local_rank: int, compile_model: bool
     return step
 
 
-def _deepspeed_step(config, ds_config: dict):
+def _deepspeed_step(config, ds_config: dict, device):
     """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it."""
     import deepspeed
     from dstrain.models import build_model
-    model = build_model(config, ds_config)
+    model = build_model(config, ds_config, device)
     if config.train.activation_checkpointing:
         ac = ds_config.get("activation_checkpointing") or {}
         deepspeed.checkpointing.configure(
@@ -213,7 +214,7 @@ def worker(spec_path: Path) -> int:
     else:
         import deepspeed
         deepspeed.init_distributed()
-        step_fn, engine = _deepspeed_step(config, spec["ds_config"])
+        step_fn, engine = _deepspeed_step(config, spec["ds_config"], device)
     rank, world = dist.get_rank(), dist.get_world_size()
     train_sampler, eval_sampler = build_samplers(config)
     t = config.train
@@ -325,8 +326,8 @@ def _shape_sets(args, preset: str, gpus: int) -> list[str]:
     sets = [f"model.n_layer={args.n_layer}", f"model.d_model={args.d_model}", f"model.n_head={args.n_head}",
             f"model.vocab_size={args.vocab_size}", f"data.seq_len={args.seq_len}", f"data.source={args.data}",
             f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={steps}", f"train.log_every={log_every}",
-            # evaluation and checkpoints only at the end (the loop always does both at the last step)
-            f"train.eval_every={10**9}", f"train.save_every={10**9}", "train.keep_last=1", "train.eval_batches=2"]
+            # evaluation only at the end; no checkpoint (writing the optimizer state is not training)
+            f"train.eval_every={10**9}", "train.save_checkpoints=false", "train.eval_batches=2"]
     if preset == "stage3_nvme":
         for part in ("offload_param", "offload_optimizer"):
             sets.append(f"deepspeed.zero_optimization.{part}.nvme_path={args.nvme_path}")
