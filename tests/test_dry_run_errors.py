@@ -39,6 +39,8 @@ EXPECTED = {
     "nvme_without_path.yaml": "offload_param.nvme_path: NVMe offload needs a path",
     "offload_param_stage2.yaml": "offload_param works only with ZeRO stage 3",
     "zero_stage_4.yaml": "ZeRO stage must be 0, 1, 2 or 3 (got 4)",
+    "export_without_checkpoints.yaml": "train.export_final: export_final converts the last checkpoint, but "
+                                       "save_checkpoints is false",
     "unknown_preset.yaml": "unknown preset 'stage9'",
     "unknown_model.yaml": "model.name: 'llama' is not an entry point",
     "model_module_missing.yaml": "model.name: cannot import module 'my_company_models'",

@@ -108,3 +108,15 @@ def test_resume_with_another_world_size_goes_through_a_universal_checkpoint(tmp_
     a, b = losses(one), losses(two)
     for step in (5, 6):
         assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])
+
+
+def test_save_checkpoints_false_trains_and_evaluates_but_writes_no_checkpoint(tmp_path):
+    run_dir = tmp_path / "throwaway"
+    result = run_tiny(run_dir, "stage2", "train.max_steps=3", "train.save_every=1", "train.log_every=1",
+                      "train.save_checkpoints=false", gpus=1)
+    assert_ok(result)
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in r for r in records)  # the final evaluation still runs
+    checkpoints = run_dir / "checkpoints"
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())

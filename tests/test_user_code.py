@@ -308,3 +308,13 @@ def test_a_user_model_resumes_exactly_from_a_checkpoint(user_model_run, tmp_path
     assert sorted(resumed) == [4, 5, 6]
     for step in resumed:
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), (step, resumed, straight)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage_0_to_2_models_are_built_on_the_training_device(stage):
+    # The meta device stands in for a GPU: every parameter must be created where the model trains,
+    # never first on the host (a 7B model would be initialised by the host's RNG and held in RAM).
+    from dstrain.models import build_model
+    model = build_model(config(model={"n_layer": 1, "d_model": 32, "n_head": 2}),
+                        {"zero_optimization": {"stage": stage}}, torch.device("meta"))
+    assert {p.device.type for p in model.parameters()} == {"meta"}

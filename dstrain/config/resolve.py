@@ -98,6 +98,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str) -> Resolve
     _resolve_batch(config, merged, world_size, problems, notes)
     rendered = _render(config, merged, notes, problems)
     _cross_field_checks(rendered, merged, problems)
+    _compile_warnings(config, rendered, merged, warnings)
     if config.train.export_final and not config.train.save_checkpoints:
         problems.append(Problem("export_final converts the last checkpoint, but save_checkpoints is false",
                                 _where(merged, "train.export_final"),
@@ -466,6 +467,19 @@ def _integral_floats_to_int(node: dict) -> None:
             _integral_floats_to_int(value)
         elif isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
             node[key] = int(value)
+
+
+def _compile_warnings(config: RunConfig, ds: dict[str, Any], merged: Merged, warnings: list[str]) -> None:
+    """Compilation settings that were measured to slow training down (docs/benchmarks.md, 2 x H200)."""
+    zero = ds.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    compile_section = ds.get("compile")
+    if isinstance(compile_section, dict) and compile_section.get("deepcompile") is True:
+        warnings.append(f"{_where(merged, 'deepspeed.compile.deepcompile')}: DeepCompile (DeepSpeed 0.19.8) ran "
+                        "ZeRO-3 at under 2% of its eager speed in dstrain's benchmark; measure before relying on it")
+    elif config.train.compile and stage == 3:
+        warnings.append(f"{_where(merged, 'train.compile')}: with ZeRO stage 3 compiling measured 0.52x of eager "
+                        "speed (stages 1 and 2 gained 15%); consider train.compile=false")
 
 
 def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Problem]) -> None:
