@@ -293,7 +293,8 @@ def _versions() -> dict:
         versions["cuda"] = torch.version.cuda
     except ImportError:
         pass
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    # --dirty: a copied working tree (the GPU machine's) can carry stale git metadata
+    commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True)
     versions["dstrain_commit"] = commit.stdout.strip() or os.environ.get("DSTRAIN_COMMIT")
     return versions
 

@@ -1,0 +1,57 @@
+"""The GPU benchmark scripts still run: their CPU smoke paths, through the real launcher, write
+results files of the promised shape (the GPU figures themselves are in benchmarks/results/)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+TINY = ["--accelerator", "cpu", "--d-model", "64", "--n-head", "2", "--vocab-size", "256", "--seq-len", "32"]
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_suite_trains_the_same_model_three_ways_and_writes_the_results_file(tmp_path):
+    run_script("suite.py", *TINY, "--n-layer", "2", "--micro-batch", "2", "--presets", "stage2", "--steps", "6",
+               "--log-every", "2", "--warmup", "2", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"))
+    [path] = (tmp_path / "out").glob("*-cpu.json")
+    doc = json.loads(path.read_text())
+    assert {"device", "versions", "model", "rows"} <= set(doc)
+    assert doc["model"]["params"] > 0 and doc["model"]["flops_per_token"] > 0
+    rows = {row["runner"]: row for row in doc["rows"]}
+    assert set(rows) == {"torch", "deepspeed", "dstrain"}
+    assert rows["torch"]["preset"] == "none" and rows["dstrain"]["preset"] == "stage2"
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert row["gpus"] == 1 and row["tokens_per_s"] > 0 and row["first_step_s"] > 0
+        assert {"tflops_per_gpu", "peak_gpu_gib", "host_rss_gib"} <= set(row)
+        # same batches, same initial weights: the first logged losses agree across runners
+        assert row["loss_curve"][0][1] == pytest.approx(rows["torch"]["loss_curve"][0][1], rel=0.02)
+    assert rows["dstrain"]["ds_config_matches_rendered"] is True
+    assert rows["dstrain"]["vs_deepspeed"] > 0
+
+
+def test_largest_model_search_trains_the_predicted_depth(tmp_path):
+    run_script("largest_model.py", *TINY, "--presets", "stage1", "--max-layers", "2", "--max-trials", "2",
+               "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+               "--nvme-path", str(tmp_path / "nvme"))
+    [path] = (tmp_path / "out").glob("*-largest.json")
+    doc = json.loads(path.read_text())
+    entry = doc["presets"]["stage1"]
+    assert entry["status"] == "done"
+    assert entry["predicted_n_layer"] == 2  # a 2-layer toy fits this machine by far
+    assert entry["trials"][0]["outcome"] == "ok"
+    assert entry["largest_trained"]["n_layer"] == 2
+    assert doc["host_ram_gib"] > 0 and doc["family"]["d_model"] == 64
