@@ -163,3 +163,30 @@ def test_huge_global_batch_mismatch_is_reported_at_once():
     with pytest.raises(UserError, match="global batch 100000000007"):
         resolve(sets=["train.global_batch_size=100000000007", "train.grad_accum_steps=3"], env={})
     assert time.perf_counter() - start < 1.0
+
+
+# train.compile "auto": on only where compiling was measured faster (docs/benchmarks.md).
+@pytest.mark.parametrize("preset, sets, accelerator, compiled", [
+    ("stage1", [], "cuda", True),
+    ("stage2", [], "cuda", True),
+    ("stage2", [], "cpu", False),                                     # CPU ranks: never
+    ("stage3", [], "cuda", False),                                    # ZeRO-3 measured slower
+    ("stage2_offload", [], "cuda", False),                            # not measured
+    ("stage2", ["train.activation_checkpointing=true"], "cuda", False),
+    ("stage2", ["train.precision=fp32"], "cuda", False),
+    ("stage2", ["model.name=my_models:build"], "cuda", False),        # a user's model opts in
+    ("stage3", ["train.compile=true"], "cuda", True),                 # an explicit choice stands
+    ("stage2", ["train.compile=false"], "cuda", False),
+])
+def test_compile_auto_is_on_only_where_it_was_measured_to_help(preset, sets, accelerator, compiled):
+    resolved = resolve(preset=preset, sets=sets, world_size=2, accelerator=accelerator, env={})
+    assert resolved.config.train.compile is compiled
+    if any(s.startswith("train.compile") for s in sets):
+        assert resolved.sources["train.compile"] == "--set"
+    else:
+        assert resolved.sources["train.compile"].startswith("auto: " + ("on" if compiled else "off"))
+
+
+def test_compile_with_zero3_is_warned_about():
+    resolved = resolve(preset="stage3", sets=["train.compile=true"], accelerator="cuda", env={})
+    assert any("train.compile" in w and "stage 3" in w for w in resolved.warnings)

@@ -98,6 +98,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str) -> Resolve
     _resolve_batch(config, merged, world_size, problems, notes)
     rendered = _render(config, merged, notes, problems)
     _cross_field_checks(rendered, merged, problems)
+    _resolve_compile(config, rendered, accelerator, notes)
     _compile_warnings(config, rendered, merged, warnings)
     if config.train.export_final and not config.train.save_checkpoints:
         problems.append(Problem("export_final converts the last checkpoint, but save_checkpoints is false",
@@ -467,6 +468,31 @@ def _integral_floats_to_int(node: dict) -> None:
             _integral_floats_to_int(value)
         elif isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
             node[key] = int(value)
+
+
+def _resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, notes: dict[str, str]) -> None:
+    """train.compile "auto": on only where compiling was measured faster (docs/benchmarks.md)."""
+    if config.train.compile != "auto":
+        return
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    offloaded = [part for part in ("offload_optimizer", "offload_param")
+                 if isinstance(zero.get(part), dict) and zero[part].get("device", "none") != "none"]
+    if accelerator != "cuda":
+        why_off = f"not on {accelerator}"
+    elif config.model.name != "gpt":
+        why_off = "your own model: set true to compile it"
+    elif config.train.precision != "bf16":
+        why_off = f"{config.train.precision} was not measured"
+    elif zero.get("stage", 0) == 3:
+        why_off = "ZeRO stage 3 measured slower compiled"
+    elif offloaded:
+        why_off = f"{offloaded[0]} was not measured"
+    elif config.train.activation_checkpointing:
+        why_off = "activation checkpointing was not measured"
+    else:
+        why_off = None
+    config.train.compile = why_off is None
+    notes["train.compile"] = "auto: on (the built-in GPT, bf16, CUDA, ZeRO 0-2)" if why_off is None else f"auto: off ({why_off})"
 
 
 def _compile_warnings(config: RunConfig, ds: dict[str, Any], merged: Merged, warnings: list[str]) -> None:

@@ -106,10 +106,12 @@ class TrainConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each transformer block in backward instead of storing its activations, through
     DeepSpeed's checkpointing (see deepspeed.activation_checkpointing for partition/cpu options)."""
-    compile: bool = False
-    """Compile the model with torch.compile (DeepSpeed's engine.compile) before training. Measured on
-    2 x H200 (docs/benchmarks.md): stages 1 and 2 +15% tokens/s and 40% less GPU memory, for 30-60 s
-    more to the first step; ZeRO stage 3 runs slower compiled."""
+    compile: bool | Literal["auto"] = "auto"
+    """Compile the model with torch.compile (DeepSpeed's engine.compile) before training. "auto" is on
+    where it was measured to help (docs/benchmarks.md): the built-in GPT in bf16 on CUDA with ZeRO
+    stage 0-2, no offload and no activation checkpointing (+15% to +37% tokens/s, 40-50% less GPU
+    memory, 30-50 s more to the first step until torch's compile cache is warm); off otherwise
+    (ZeRO-3 measured slower compiled; set true to compile your own model)."""
     seed: int = 1234
     """Seed for model init, data order and dropout; the same seed gives the same run."""
     log_every: PositiveInt = 10
