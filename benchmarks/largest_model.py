@@ -54,11 +54,9 @@ def shape_sets(args, preset: str, n_layer: int) -> list[str]:
             f"model.vocab_size={args.vocab_size}", f"data.seq_len={args.seq_len}", "data.source=synthetic",
             "train.micro_batch_size=1", f"train.max_steps={args.trial_steps}", "train.log_every=1",
             f"train.eval_every={10**9}", "train.eval_batches=1", "train.save_checkpoints=false"]
-    if preset == "stage3_nvme":
-        for part in ("offload_param", "offload_optimizer"):
-            sets.append(f"deepspeed.zero_optimization.{part}.nvme_path={args.nvme_path}")
-        largest = max(args.vocab_size * args.d_model, 4 * args.d_model * args.d_model)
-        sets.append(f"deepspeed.zero_optimization.offload_param.buffer_size={max(10**8, -(-largest // 10**6) * 10**6)}")
+    if preset == "stage3_nvme":  # (dstrain run grows the swap buffer to the largest parameter itself)
+        sets += [f"deepspeed.zero_optimization.{part}.nvme_path={args.nvme_path}"
+                 for part in ("offload_param", "offload_optimizer")]
     return sets + list(args.set or [])
 
 
