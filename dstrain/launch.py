@@ -306,6 +306,22 @@ def _write_synthetic_hostfile(run_dir: Path, ranks: int, nodes: int) -> None:
     write_atomic(run_dir / SYNTHETIC_HOSTFILE, "".join(f"node{i} slots={ranks}\n" for i in range(nodes)))
 
 
+def _clear_stale_build_locks(console: Console, dry_run: bool) -> None:
+    """An op build killed mid-way leaves torch's lock file behind, and every later build of that op
+    then waits for it forever, silently, inside the ranks. Such locks go before the ranks start."""
+    from dstrain.env_fixes import stale_extension_locks
+    for lock in stale_extension_locks():
+        if dry_run:
+            console.print(f"[yellow]note:[/] stale op build lock {lock} (left by a killed build); a run removes it")
+            continue
+        try:
+            lock.unlink(missing_ok=True)
+        except OSError as err:
+            raise UserError.single(f"stale op build lock {lock} cannot be removed ({err}): the ranks would wait "
+                                   "on it forever", "TORCH_EXTENSIONS_DIR", f"rm {shlex.quote(str(lock))}")
+        console.print(f"[yellow]note:[/] removed stale op build lock {lock} (left by a killed build)")
+
+
 def _rank_env(accelerator: str, ranks: int) -> dict[str, str]:
     from dstrain.env_fixes import sanitize_cuda_arch_list
     env, note = sanitize_cuda_arch_list(os.environ)
@@ -368,6 +384,7 @@ def launch(o: LaunchOptions) -> int:
         console.print(f"[yellow]note:[/] {note}")
     if resume_info:
         console.print(f"resume: {resume_info['tag']} (step {resume_info['step']}) from {resume_info['directory']}")
+    _clear_stale_build_locks(console, o.dry_run)
     port = o.master_port or (MULTI_NODE_PORT if o.no_ssh and nodes > 1 else _free_port())
     if o.dry_run:
         console.print(f"run directory: {run_dir} (not written: --dry-run)")

@@ -115,6 +115,22 @@ def test_doctor_reports_stale_lock_as_error_with_rm_fix(tmp_path, monkeypatch):
         p for p in report["problems"] if p["check"] == "extension_locks").items()
 
 
+def test_run_removes_a_stale_build_lock_before_the_ranks_start(tmp_path, monkeypatch):
+    # A lock left by a killed build made a later run's ranks wait on it forever (seen in this
+    # project's own CI, after an interrupted async_io build); `dstrain run` now clears it.
+    from rich.console import Console
+    from dstrain.launch import _clear_stale_build_locks
+    lock = _make_lock(tmp_path / "async_io", age_s=3600)
+    busy = _make_lock(tmp_path / "cpu_adam", age_s=0)  # a build in progress keeps its lock
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    console = Console(record=True, width=200)
+    _clear_stale_build_locks(console, dry_run=True)
+    assert lock.exists() and "a run removes it" in console.export_text()
+    _clear_stale_build_locks(console, dry_run=False)
+    assert not lock.exists() and busy.exists()
+    assert f"removed stale op build lock {lock}" in console.export_text()
+
+
 # --------------------------------------------------------------------------- collect
 
 
