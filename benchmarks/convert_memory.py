@@ -1,4 +1,4 @@
-"""Peak host memory of `dstrain.convert.convert_checkpoint` on a large ZeRO-3 checkpoint.
+"""Peak host memory of `dstrain.tools.convert.convert_checkpoint` on a large ZeRO-3 checkpoint.
 
     python benchmarks/convert_memory.py --work-dir /tmp/convert_bench --params 1e9
 
@@ -99,7 +99,7 @@ def measure(which: str, checkpoint_dir: str, output: str, max_shard_size: str | 
     sampler = PeakSampler()
     start = time.time()
     if which == "dstrain":
-        from dstrain.convert import convert_checkpoint
+        from dstrain.tools.convert import convert_checkpoint
 
         convert_checkpoint(Path(checkpoint_dir), Path(output), force=True, max_shard_size=max_shard_size)
     else:

@@ -21,7 +21,7 @@ GiB = 2**30
 
 
 def compare(results: dict, gpu_mem_gib: float, cpu_mem_gib: float) -> list[dict]:
-    from dstrain.planner import make_plan
+    from dstrain.tools.estimate.planner import make_plan
     model = results["model"]
     sets = [f"model.n_layer={model['n_layer']}", f"model.d_model={model['d_model']}",
             f"model.n_head={model['n_head']}", f"model.vocab_size={model['vocab_size']}",

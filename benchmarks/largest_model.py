@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -62,13 +61,13 @@ def shape_sets(args, preset: str, n_layer: int) -> list[str]:
 
 def estimate(args, preset: str, n_layer: int, hardware) -> dict:
     """The planner's figures for one depth (the same code as `dstrain estimate`)."""
-    from dstrain import estimate as E
+    from dstrain.tools.estimate import memory as E
     from dstrain.config.resolve import resolve
-    from dstrain.models import model_builder
+    from dstrain.models import count_model, model_builder
     resolved = resolve(preset, None, shape_sets(args, preset, n_layer), world_size=1, accelerator=args.accelerator,
                        env={})
     cfg = resolved.config
-    params, largest = E.count_model(model_builder(cfg))
+    params, largest = count_model(model_builder(cfg))
     ac = resolved.ds_config.get("activation_checkpointing") or {}
     work = E.Workload(params=params, largest_layer_params=largest, n_layer=n_layer, d_model=args.d_model,
                       n_head=args.n_head, seq_len=args.seq_len, micro_batch=1,
@@ -223,7 +222,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     stop_at = time.monotonic() + args.deadline_s
 
-    from dstrain.estimate import detect_hardware
+    from dstrain.tools.estimate.memory import detect_hardware
     device, short, _ = suite._device_info(args.accelerator)
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     hardware = replace(detect_hardware(), gpus_per_node=1, nvme_free_bytes=shutil.disk_usage(args.nvme_path).free)

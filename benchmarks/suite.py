@@ -8,9 +8,12 @@ Runners (each row is a fresh process, so peak memory and start-up are its own):
              `dstrain config --deepspeed-json`): deepspeed.initialize, engine(batch), engine.backward,
              engine.step. It mirrors the dstrain settings that live outside that JSON
              (train.activation_checkpointing, train.compile).
+  lightning  PyTorch Lightning's named DeepSpeed strategy for the preset (deepspeed_stage_1/2/2_offload/
+             3/3_offload) with Lightning's own DeepSpeed settings: the peer a user would pick instead.
+             CUDA only (Lightning refuses DeepSpeed on CPU); stage3_nvme is not mirrored.
   dstrain    `python -m dstrain.cli run --preset P --gpus N` (the real launcher and worker).
 
-All three train dstrain's built-in GPT (dstrain/models/gpt.py) on the same synthetic token batches
+All of them train dstrain's built-in GPT (dstrain/models/gpt.py) on the same synthetic token batches
 (dstrain.data.sampler.SyntheticSampler, same seed) with the same hyper-parameters and LR schedule.
 
 How throughput is measured, identically for every runner: the loop logs every --log-every steps
@@ -21,8 +24,9 @@ dstrain these intervals are read from metrics.jsonl (tokens_per_s per log interv
 evaluation and checkpoint come after the last log point and are outside every interval.
 
   TFLOP/s per GPU = tokens/s x flops_per_token / GPUs / 1e12, with flops_per_token from
-  dstrain.models.gpt.flops_per_token: 6 x (params - embedding params) + 12 x layers x width x seq_len
-  (no recomputation counted: activation checkpointing lowers this number, it does not raise it).
+  dstrain.models.gpt.flops_per_token: 6 x (params - embedding params + the tied LM head's vocab x width)
+  + 12 x layers x width x seq_len (no recomputation counted: activation checkpointing lowers this
+  number, it does not raise it). MFU = TFLOP/s per GPU / dstrain.hardware.dense_bf16_peak_tflops.
   peak_gpu_gib: torch.cuda.max_memory_allocated of rank 0 at the end of training.
   host_rss_gib: peak resident set of the largest process of the row (a rank, normally), from wait4.
   first_step_s: from starting the row's command to the end of step 1, estimated as the end of the
@@ -38,6 +42,7 @@ Examples:
   python3 benchmarks/suite.py --accelerator cpu --n-layer 2 --d-model 64 --n-head 2 --seq-len 32 \\
       --vocab-size 256 --micro-batch 2 --steps 6 --log-every 2 --warmup 2    # CPU smoke test
   python3 benchmarks/suite.py merge A.json B.json -o benchmarks/results/2026-11-22-h100.json
+  python3 benchmarks/suite.py --runners dstrain --presets stage2 --no-base --log-cost   # cost of logging
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +69,7 @@ sys.path.insert(0, str(REPO))  # the suite runs from a source checkout, installe
 _RUNNING: list[int] = []  # the row command in flight, killed with its tree if the suite is stopped
 
 PRESETS = ("stage1", "stage2", "stage2_offload", "stage3", "stage3_offload", "stage3_nvme")
+RUNNERS = ("torch", "lightning", "deepspeed", "dstrain")
 SLOW = {"stage2_offload": 2, "stage3_offload": 2, "stage3_nvme": 5}  # fewer steps: seconds per step
 
 
@@ -152,6 +159,100 @@ def _deepspeed_step(config, ds_config: dict, device):
     return step, engine
 
 
+LIGHTNING_STRATEGIES = {"stage1": "deepspeed_stage_1", "stage2": "deepspeed_stage_2",
+                        "stage2_offload": "deepspeed_stage_2_offload", "stage3": "deepspeed_stage_3",
+                        "stage3_offload": "deepspeed_stage_3_offload"}
+
+
+def _lightning_fit(config, preset: str, cuda: bool, world: int, log_every: int) -> dict:
+    """PyTorch Lightning's named DeepSpeed strategy (`Trainer(strategy="deepspeed_stage_3")`), as a
+    user who picks Lightning instead of dstrain would write it: its own DeepSpeed JSON (Lightning's
+    defaults), precision="bf16-mixed", gradient_clip_val, torch's AdamW (DeepSpeedCPUAdam where the
+    strategy offloads the optimizer, which DeepSpeed requires), the suite's LR schedule as a
+    per-step LambdaLR, the model built in configure_model (inside zero.Init for stage 3). Timed
+    like the other runners: a callback reads the loss only at the log points."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+    from dstrain.data import build_samplers
+    from dstrain.data.sampler import rank_batch
+    from dstrain.models import model_builder
+
+    t = config.train
+    strategy = LIGHTNING_STRATEGIES[preset]
+    rank = int(os.environ.get("RANK", "0"))
+    sched = config.deepspeed["scheduler"]["params"]
+    train_sampler, _ = build_samplers(config)
+
+    class Samples(Dataset):
+        """Sample i of this rank: the rows of the micro batch that the other runners train at that step."""
+        def __len__(self):
+            return t.max_steps * t.micro_batch_size
+
+        def __getitem__(self, index):
+            step, row = divmod(index, t.micro_batch_size)
+            inputs, targets = rank_batch(train_sampler, step, 0, rank, world, t.micro_batch_size, 1)
+            return inputs[row], targets[row]
+
+    class GPTModule(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = None
+
+        def configure_model(self):  # Lightning's hook for zero.Init (stage 3)
+            if self.model is None:
+                self.model = model_builder(config)()
+                if t.activation_checkpointing:  # what dstrain's preset turns on (stage3_offload)
+                    import deepspeed
+                    deepspeed.checkpointing.configure(None)
+                    self.model.enable_checkpointing(deepspeed.checkpointing.checkpoint)
+
+        def training_step(self, batch, _index):
+            return self.model(batch)
+
+        def configure_optimizers(self):
+            kwargs = dict(lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
+            if "offload" in strategy:
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+                opt = DeepSpeedCPUAdam(self.model.parameters(), adamw_mode=True, **kwargs)
+            else:
+                opt = torch.optim.AdamW(self.model.parameters(), fused=cuda, **kwargs)
+            lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: _lr_ratio(n, sched))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": lr, "interval": "step"}}
+
+    class Intervals(L.Callback):
+        def __init__(self):
+            self.intervals, self.start, self.steps = [], None, 0
+            self.loss_sum = None
+
+        def on_train_batch_start(self, trainer, module, batch, index):
+            if self.start is None:
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, index):
+            loss = outputs["loss"].detach().float()
+            self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+            self.steps += 1
+            step = index + 1
+            if step % log_every == 0 or step == t.max_steps:
+                value = trainer.strategy.reduce(self.loss_sum, reduce_op="mean").item() / self.steps
+                now = time.perf_counter()
+                self.intervals.append({"step": step, "steps": self.steps, "seconds": now - self.start,
+                                       "loss": value, "time": time.time()})
+                self.start, self.steps, self.loss_sum = time.perf_counter(), 0, None
+
+    timer = Intervals()
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=world, num_nodes=1, strategy=strategy,
+                        precision="bf16-mixed" if t.precision == "bf16" else "32-true", max_steps=t.max_steps,
+                        gradient_clip_val=t.grad_clip or None, callbacks=[timer], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, num_sanity_val_steps=0)
+    loader = DataLoader(Samples(), batch_size=t.micro_batch_size, shuffle=False, num_workers=0, pin_memory=cuda)
+    trainer.fit(GPTModule(), train_dataloaders=loader)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    return {"intervals": timer.intervals, "peak_gpu_gib": peak, "rank": trainer.global_rank}
+
+
 def _profile(step_fn, next_batch, device, steps: int) -> dict:
     """torch.profiler over `steps` steps (after the measured loop: nothing left to warm up): the top
     operators by device and by host time, and the device's kernel time per step."""
@@ -176,8 +277,8 @@ def _run_dstrain_loop(engine, config, run_dir: Path, train_sampler, eval_sampler
                       world: int) -> list[dict]:
     """Diagnostic (+dstrain_loop): this process's engine driven by dstrain's own train loop, which
     separates the cost of dstrain's loop from that of its launcher and worker start-up."""
-    from dstrain.loop import StopRequest, train
-    from dstrain.metrics import MetricsLog
+    from dstrain.rank.loop import StopRequest, train
+    from dstrain.rank.metrics import MetricsLog
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     t = config.train
@@ -208,6 +309,12 @@ def worker(spec_path: Path) -> int:
     np.random.seed(config.train.seed)
     torch.manual_seed(config.train.seed)
 
+    if spec["runner"] == "lightning":  # Lightning starts its own process group and loop
+        result = _lightning_fit(config, spec["preset"], cuda, int(os.environ.get("WORLD_SIZE", "1")),
+                                config.train.log_every)
+        if result.pop("rank") == 0:
+            Path(spec["result_path"]).write_text(json.dumps(result))
+        return 0
     if spec["runner"] == "torch":
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
         step_fn = _torch_step(config, device, dist.get_world_size(), local_rank, spec.get("torch_compile", False))
@@ -277,10 +384,15 @@ def _device_info(accelerator: str) -> tuple[str, str, int]:
     return f"{len(out)} x {name} ({out[0].split(',')[1].strip()}, driver {out[0].split(',')[2].strip()})", short, len(out)
 
 
+def _peak(device: str) -> float | None:
+    from dstrain.hardware import dense_bf16_peak_tflops
+    return dense_bf16_peak_tflops(device)
+
+
 def _versions() -> dict:
     import importlib.metadata as md
     versions = {"python": platform.python_version()}
-    for package in ("torch", "deepspeed", "dstrain"):
+    for package in ("torch", "deepspeed", "lightning", "dstrain"):
         try:
             versions[package] = md.version(package)
         except md.PackageNotFoundError:
@@ -301,16 +413,15 @@ def _versions() -> dict:
 
 def _model_info(args) -> dict:
     from dstrain.config.resolve import resolve
-    from dstrain.estimate import count_model
+    from dstrain.models import count_model
     from dstrain.models import model_builder
     from dstrain.models.gpt import flops_per_token
     config = resolve(None, None, _shape_sets(args, "none", 1), world_size=1, accelerator="cpu", env={}).config
     n_params, _ = count_model(model_builder(config))
-    embedding = args.vocab_size * args.d_model + args.seq_len * args.d_model
     return {"name": "gpt", "n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head,
             "vocab_size": args.vocab_size, "seq_len": args.seq_len, "micro_batch_per_gpu": args.micro_batch,
             "params": n_params, "data": args.data,
-            "flops_per_token": flops_per_token(n_params, args.n_layer, args.d_model, args.seq_len, embedding)}
+            "flops_per_token": flops_per_token(n_params, args.n_layer, args.d_model, args.seq_len, args.vocab_size)}
 
 
 def _steps(args, preset: str) -> tuple[int, int, int]:
@@ -357,6 +468,14 @@ def _rss_and_wait(process: subprocess.Popen, timeout: float) -> tuple[int | None
         time.sleep(0.2)
 
 
+def _timestamped_copy(stream, log, t0: float) -> None:
+    """Each output line of a row into its log, prefixed with the seconds since the row's command
+    started: where the time before the first step goes (imports, launcher, rank start-up)."""
+    for line in stream:
+        log.write(f"[{time.time() - t0:7.2f}s] {line}")
+        log.flush()
+
+
 def _kill_tree(pid: int) -> None:
     import psutil
     try:
@@ -399,11 +518,45 @@ def _dstrain_intervals(run_dir: Path) -> list[dict]:
     return out
 
 
+def _second_half_rate(run_dir: Path, steps: int, tokens_per_step: int) -> float | None:
+    """tokens/s from step steps//2 to the last step, from the wall-clock times metrics.jsonl records at
+    both (rows that log every step and rows that log only there measure the same window)."""
+    times = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if "tokens_per_s" in r and "event" not in r:
+            times[r["step"]] = r["time"]
+    half = steps // 2
+    if half not in times or steps not in times or times[steps] <= times[half]:
+        return None
+    return tokens_per_step * (steps - half) / (times[steps] - times[half])
+
+
+def log_cost_lines(rows: list[dict]) -> list[str]:
+    """--log-cost: the throughput a row logging everything every step loses against one logging nothing
+    in between, over the same second half of the run."""
+    lines = []
+    for r in rows:
+        if r["runner"] != "dstrain" or r.get("variant") != "log_all" or not r.get("second_half_tokens_per_s"):
+            continue
+        base = next((b for b in rows if b["runner"] == "dstrain" and b.get("variant") == "log_none"
+                     and b["preset"] == r["preset"] and b["gpus"] == r["gpus"] and b.get("second_half_tokens_per_s")), None)
+        if base:
+            cost = 1 - r["second_half_tokens_per_s"] / base["second_half_tokens_per_s"]
+            lines.append(f"log cost {r['preset']} {r['gpus']} GPU: {base['second_half_tokens_per_s']:,.0f} -> "
+                         f"{r['second_half_tokens_per_s']:,.0f} tokens/s over steps {r['steps'] // 2}-{r['steps']}: "
+                         f"logging every step to metrics.jsonl, TensorBoard and CSV costs {cost:+.2%}")
+    return lines
+
+
 def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tuple, model: dict) -> dict:
     from dstrain.config.resolve import resolve
+    from dstrain.hardware import dense_bf16_peak_tflops
     name, _, extra_sets, flags = variant
     sets = _shape_sets(args, preset, gpus) + extra_sets
     steps, log_every, warmup = _steps(args, preset)
+    if "log_half" in flags:  # log (and wait for the device) only at the middle and the end
+        sets.append(f"train.log_every={steps // 2}")
     row = {"runner": runner, "preset": preset, "gpus": gpus, "variant": name, "sets": extra_sets + [f"+{f}" for f in flags],
            "tokens_per_s": None, "tflops_per_gpu": None, "peak_gpu_gib": None, "host_rss_gib": None,
            "first_step_s": None, "steps": steps, "log_every": log_every, "warmup_steps": warmup}
@@ -424,7 +577,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
         cmd = [sys.executable, "-m", "dstrain.cli", "run", "--preset", preset, "--gpus", str(gpus),
                "--accelerator", args.accelerator, "--run-dir", str(run_dir)] + [a for s in sets for a in ("--set", s)]
     else:
-        spec = {"runner": runner, "accelerator": args.accelerator, "config": resolved.config.model_dump(mode="json"),
+        spec = {"runner": runner, "preset": preset, "accelerator": args.accelerator, "config": resolved.config.model_dump(mode="json"),
                 "ds_config": resolved.ds_config, "result_path": str(work / f"{tag}.result.json"),
                 "profile": args.profile and runner in args.profile_runners,
                 "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags,
@@ -439,16 +592,21 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
         Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   start_new_session=True, text=True, errors="replace", bufsize=1)
         _RUNNING[:] = [process.pid]
+        copier = threading.Thread(target=_timestamped_copy, args=(process.stdout, log, t0), daemon=True)
+        copier.start()
         code, rss, timed_out = _rss_and_wait(process, args.row_timeout)
         _RUNNING.clear()
+        copier.join(timeout=10)
     row["wall_s"] = round(time.time() - t0, 1)
     row["host_rss_gib"] = round(rss, 2)
     try:
         if runner == "dstrain":
             intervals = _dstrain_intervals(run_dir)
+            row["second_half_tokens_per_s"] = _second_half_rate(run_dir, steps, args.micro_batch * max(gpus, 1)
+                                                                * args.seq_len)
             row["peak_gpu_gib"] = intervals[-1]["memory_gib"] if args.accelerator == "cuda" and intervals else None
             ds_written = json.loads((run_dir / "ds_config.json").read_text())
             row["ds_config_matches_rendered"] = ds_written == resolved.ds_config
@@ -468,6 +626,8 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     row.update({k: summary[k] for k in ("tokens_per_s", "step_ms", "intervals_used", "spread", "loss_curve",
                                         "interval_tokens_per_s")})
     row["tflops_per_gpu"] = summary["tokens_per_s"] * model["flops_per_token"] / max(gpus, 1) / 1e12
+    peak = dense_bf16_peak_tflops(args.device_name)
+    row["mfu"] = round(row["tflops_per_gpu"] / peak, 4) if peak else None
     row["first_step_s"] = round(summary["first_interval_end"] - t0
                                 - (summary["first_interval_steps"] - 1) * summary["step_ms"] / 1000, 2)
     row["status"] = "ok" if code == 0 else ("timeout after the measurement" if timed_out else f"exit {code} after the measurement")
@@ -482,7 +642,8 @@ def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     """'NAME[@runner,...]=key=value;+flag;...' -> (name, runners, dstrain overrides, suite flags).
     Runners default to deepspeed,dstrain. Flags: +compile (torch runner: torch.compile the model),
     +dstrain_loop (deepspeed runner: drive the hand-built engine with dstrain's train loop),
-    +gc_freeze (torch/deepspeed runners: gc.freeze() before the loop, as dstrain's worker does)."""
+    +gc_freeze (torch/deepspeed runners: gc.freeze() before the loop, as dstrain's worker does),
+    +log_half (dstrain runner: log only at the middle and the end of the run; --log-cost uses it)."""
     head, _, body = text.partition("=")
     name, _, runners = head.partition("@")
     items = [s for s in body.split(";") if s]
@@ -508,16 +669,19 @@ def add_ratios(rows: list[dict]) -> None:
         if r["runner"] == "dstrain":
             ds = partner(("deepspeed", r["preset"], r["gpus"], r.get("variant", "")), r.get("source"))
             r["vs_deepspeed"] = round(r["tokens_per_s"] / ds["tokens_per_s"], 3) if ds else None
+            pl = partner(("lightning", r["preset"], r["gpus"], ""), r.get("source"))
+            r["vs_lightning"] = round(r["tokens_per_s"] / pl["tokens_per_s"], 3) if pl else None
 
 
 def table(rows: list[dict]) -> str:
-    head = ("runner", "preset", "variant", "gpus", "tokens/s", "TFLOP/s/GPU", "vs torch", "dstrain/ds",
-            "GPU GiB", "RSS GiB", "1st step s", "status")
+    head = ("runner", "preset", "variant", "gpus", "tokens/s", "TFLOP/s/GPU", "MFU", "vs torch", "dstrain/ds",
+            "dstrain/pl", "GPU GiB", "RSS GiB", "1st step s", "status")
     lines = [head]
     for r in rows:
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         lines.append((r["runner"], r["preset"], r.get("variant") or "", str(r["gpus"]), fmt(r.get("tokens_per_s"), ",.0f"),
-                      fmt(r.get("tflops_per_gpu"), ".1f"), fmt(r.get("vs_torch"), ".3f"), fmt(r.get("vs_deepspeed"), ".3f"),
+                      fmt(r.get("tflops_per_gpu"), ".1f"), fmt(r.get("mfu"), ".1%"), fmt(r.get("vs_torch"), ".3f"),
+                      fmt(r.get("vs_deepspeed"), ".3f"), fmt(r.get("vs_lightning"), ".3f"),
                       fmt(r.get("peak_gpu_gib"), ".2f"), fmt(r.get("host_rss_gib"), ".2f"), fmt(r.get("first_step_s"), ".1f"),
                       (r.get("status") or "")[:60]))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -533,7 +697,7 @@ def write_results(path: Path, doc: dict) -> None:
     add_ratios(doc["rows"])
     order = ("none",) + PRESETS
     doc["rows"].sort(key=lambda r: (r["gpus"], order.index(r["preset"]) if r["preset"] in order else len(order),
-                                    r.get("variant") or "", ("torch", "deepspeed", "dstrain").index(r["runner"])))
+                                    r.get("variant") or "", RUNNERS.index(r["runner"])))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
@@ -568,7 +732,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated dstrain presets")
-    p.add_argument("--runners", default="torch,deepspeed,dstrain", help="comma-separated: torch, deepspeed, dstrain")
+    p.add_argument("--runners", default=",".join(RUNNERS),
+                   help="comma-separated: torch, lightning, deepspeed, dstrain (lightning: CUDA only)")
     p.add_argument("--gpus", default="1", help="comma-separated GPU counts, e.g. 1,2")
     p.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--n-layer", type=int, default=24)
@@ -588,6 +753,9 @@ def main(argv: list[str]) -> int:
                    help="'NAME[@runners]=key=value;+flag': extra rows with these dstrain overrides (runners: "
                         "deepspeed,dstrain unless named); flags +compile (torch), +dstrain_loop (deepspeed)")
     p.add_argument("--no-base", action="store_true", help="run only the --variant rows")
+    p.add_argument("--log-cost", action="store_true",
+                   help="add two dstrain rows per preset: log_all (train.log_every=1, train.log_to=[tensorboard,csv]) "
+                        "and log_none (logging only at the middle and the end), compared over the second half")
     p.add_argument("--nvme-path", default=str(Path(tempfile.gettempdir()) / "dstrain-bench-nvme"))
     p.add_argument("--profile", action="store_true", help="torch.profiler tables for torch/deepspeed rows")
     p.add_argument("--profile-runners", default="torch,deepspeed")
@@ -605,31 +773,41 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, stop)
 
     device, short, count = _device_info(args.accelerator)
+    args.device_name = device
     gpu_counts = [int(g) for g in args.gpus.split(",")]
     runners = args.runners.split(",")
     presets = [x for x in args.presets.split(",") if x]
     variants = [_parse_variant(v) for v in args.variant]
+    if args.log_cost:
+        variants += [("log_none", ["dstrain"], [], ["log_half"]),
+                     ("log_all", ["dstrain"], ["train.log_every=1", "train.log_to=[tensorboard,csv]"], [])]
     work = args.work or Path(tempfile.mkdtemp(prefix="dstrain-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     model = _model_info(args)
     suffix = f"x{max(gpu_counts)}" if max(gpu_counts) > 1 else ""
     out_path = args.out / f"{datetime.date.today().isoformat()}-{short}{suffix}.json"
     doc = {"device": device, "versions": _versions(), "model": model, "rows": [],
-           "method": "median tokens/s over log intervals after warm-up; TFLOP/s = tokens/s x flops_per_token / GPUs",
+           "method": "median tokens/s over log intervals after warm-up; TFLOP/s = tokens/s x flops_per_token / GPUs; "
+                     "MFU = TFLOP/s per GPU / the GPU's dense bf16 peak (dstrain.hardware.dense_bf16_peak_tflops)",
+           "peak_tflops": None if args.accelerator == "cpu" else _peak(device),
            "command": "python3 benchmarks/suite.py " + " ".join(argv)}
     print(f"{device}; model {model['params']:,} params, {model['flops_per_token'] / 1e9:.3f} GFLOP/token; "
           f"results -> {out_path}; logs -> {work}", flush=True)
 
     plan = []
-    base = [] if args.no_base else [("", ["torch", "deepspeed", "dstrain"], [], [])]
+    base = [] if args.no_base else [("", list(RUNNERS), [], [])]
     for gpus in gpu_counts:
         plan += [("torch", "none", gpus, v) for v in base + variants if "torch" in runners and "torch" in v[1]]
         for preset in presets:
-            plan += [(r, preset, gpus, v) for v in base + variants for r in ("deepspeed", "dstrain")
+            plan += [(r, preset, gpus, v) for v in base + variants for r in RUNNERS[1:]
                      if r in runners and r in v[1]]
     for runner, preset, gpus, variant in plan:
         if args.accelerator == "cuda" and gpus > count:
             print(f"skip {runner} {preset} on {gpus} GPUs: this machine has {count}")
+            continue
+        if runner == "lightning" and (args.accelerator != "cuda" or preset not in LIGHTNING_STRATEGIES):
+            print(f"skip lightning {preset}: Lightning's DeepSpeed strategies run on CUDA only, and the "
+                  f"suite mirrors {', '.join(LIGHTNING_STRATEGIES)}")
             continue
         row = run_row(args, work, runner, preset, gpus, variant, model)
         write_results(out_path, {**doc, "rows": [row]})  # after every row: a killed suite keeps what it measured
@@ -646,6 +824,8 @@ def main(argv: list[str]) -> int:
                   flush=True)
     final = json.loads(out_path.read_text())
     print("\n" + table(final["rows"]))
+    for line in log_cost_lines(final["rows"]):
+        print(line)
     return 0
 
 
