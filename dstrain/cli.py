@@ -6,7 +6,9 @@ torch or DeepSpeed, so they answer at once. Bad input raises UserError, printed 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -31,6 +33,8 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="YAML or JSON run config; 
 SetOpt = typer.Option(None, "--set", "-s", help="Override any key: --set train.lr=3e-4 (repeatable).")
 GpusOpt = typer.Option(None, "--gpus", help="Ranks per node (GPUs; CPU ranks with --accelerator cpu). Default: all GPUs, or 2 CPU ranks.")
 NodesOpt = typer.Option(1, "--nodes", help="Number of nodes.")
+StrictOpt = typer.Option(False, "--strict", help="DeepSpeed keys that DeepSpeed would ignore are errors, "
+                         "not warnings (also DSTRAIN_STRICT=1).")
 AccelOpt = typer.Option("auto", "--accelerator", help="auto (CUDA when present), cuda or cpu (gloo ranks, for development and CI).")
 
 
@@ -50,6 +54,22 @@ def handles_user_errors(func: Callable) -> Callable:
             _stderr().print(f"[bold red]error:[/] {escape(str(err))}", markup=True, soft_wrap=True)
             raise typer.Exit(EXIT_BAD_INPUT)
     return wrapper
+
+
+@contextlib.contextmanager
+def strict_mode(strict: bool):
+    """--strict reaches every resolution the command makes the way DSTRAIN_STRICT=1 does."""
+    from dstrain.config.resolve import ENV_STRICT
+    before = os.environ.get(ENV_STRICT)
+    if strict:
+        os.environ[ENV_STRICT] = "1"
+    try:
+        yield
+    finally:
+        if strict and before is None:
+            os.environ.pop(ENV_STRICT, None)
+        elif strict:
+            os.environ[ENV_STRICT] = before
 
 
 def _world(gpus: Optional[int], nodes: int, accelerator: str) -> tuple[int, str]:
@@ -74,7 +94,7 @@ def presets_cmd(name: Optional[str] = typer.Argument(None, help="Show this prese
 
       dstrain presets stage3-offload
     """
-    from dstrain import show
+    from dstrain.config import show
     show.presets(name)
 
 
@@ -89,6 +109,7 @@ def config_cmd(
     accelerator: str = AccelOpt,
     explain: bool = typer.Option(False, "--explain", help="Show which layer set each key."),
     deepspeed_json: bool = typer.Option(False, "--deepspeed-json", help="Print exactly the JSON given to deepspeed.initialize."),
+    strict: bool = StrictOpt,
 ) -> None:
     """Resolve and print the run config (defaults < preset < --config < PL_DEEPSPEED_CONFIG_PATH < --set).
 
@@ -98,12 +119,12 @@ def config_cmd(
 
       dstrain config --config run.yaml --set train.micro_batch_size=4 --gpus 8 --explain
 
-      PL_DEEPSPEED_CONFIG_PATH=ds.json dstrain config --deepspeed-json
+      PL_DEEPSPEED_CONFIG_PATH=ds.json dstrain config --deepspeed-json --strict
     """
-    from dstrain import show
+    from dstrain.config import show
     from dstrain.config.resolve import resolve
     world, acc = _world(gpus, nodes, accelerator)
-    resolved = resolve(preset, config, set_ or [], world_size=world, accelerator=acc)
+    resolved = resolve(preset, config, set_ or [], world_size=world, accelerator=acc, strict=strict or None)
     show.resolved_config(resolved, explain=explain, deepspeed_json=deepspeed_json)
 
 
@@ -125,9 +146,10 @@ def run_cmd(
     no_ssh: bool = typer.Option(False, "--no-ssh", help="Start this node's ranks only; run once per node (with --node-rank)."),
     accelerator: str = AccelOpt,
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where config, metrics and checkpoints go (default runs/<time>-<preset>)."),
-    resume: Optional[str] = typer.Option(None, "--resume", help="'latest' or a checkpoint path/tag to continue from."),
+    resume: Optional[str] = typer.Option(None, "--resume", help="'latest', a checkpoint path/tag to continue from, or 'auto' (latest when --run-dir has a complete checkpoint, else start fresh: one command for a requeue loop)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate everything and print the plan; start nothing."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show DeepSpeed's own INFO logging."),
+    strict: bool = StrictOpt,
 ) -> None:
     """Train: write the run directory, then start the ranks through the deepspeed launcher.
 
@@ -141,14 +163,17 @@ def run_cmd(
 
       dstrain run --config run.yaml --hostfile hosts --launcher pdsh --dry-run
     """
-    from dstrain.launch import LaunchOptions, launch
+    from dstrain.launcher.job import launch
+    from dstrain.launcher.options import LaunchOptions
     world_per_node_gpus = gpus
     options = LaunchOptions(
         preset=preset, config_file=config, sets=set_ or [], gpus=world_per_node_gpus, nodes=nodes,
         hostfile=hostfile, include=include, exclude=exclude, master_port=master_port,
         master_addr=master_addr, launcher=launcher, node_rank=node_rank, no_ssh=no_ssh,
         accelerator=accelerator, run_dir=run_dir, resume=resume, dry_run=dry_run, verbose=verbose)
-    raise typer.Exit(launch(options))
+    with strict_mode(strict):
+        code = launch(options)
+    raise typer.Exit(code)
 
 
 @app.command("estimate")
@@ -164,6 +189,7 @@ def estimate_cmd(
     cpu_mem: Optional[float] = typer.Option(None, "--cpu-mem", help="GiB of host RAM per node (default: this machine's)."),
     accelerator: str = typer.Option("cuda", "--accelerator", help="cuda (estimate GPUs) or cpu (CPU ranks)."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    strict: bool = StrictOpt,
 ) -> None:
     """Estimate GPU, host and NVMe memory of every preset, and recommend the fastest that fits.
 
@@ -177,14 +203,15 @@ def estimate_cmd(
     """
     import json as jsonlib
     from rich.console import Console
-    from dstrain import estimate as E
-    from dstrain.planner import make_plan
+    from dstrain.tools.estimate import memory as E
+    from dstrain.tools.estimate.planner import make_plan
     if accelerator not in ("cuda", "cpu"):
         raise UserError.single(f"unknown accelerator {accelerator!r}", "--accelerator", "use cuda or cpu")
     if preset:
         from dstrain.config.presets import preset_path
         preset_path(preset)
-    plan = make_plan(config, set_ or [], params, gpus, nodes, gpu_mem, cpu_mem, accelerator)
+    with strict_mode(strict):
+        plan = make_plan(config, set_ or [], params, gpus, nodes, gpu_mem, cpu_mem, accelerator)
     if json_output:
         report = E.to_json(plan.estimates, plan.recommended, plan.reason, plan.hardware, plan.workload)
         report["notes"] = plan.notes
@@ -206,6 +233,8 @@ def convert_cmd(
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 5GB: shards + index JSON (Hugging Face layout)."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUTPUT if it exists."),
     to_universal: bool = typer.Option(False, "--to-universal", help="Write a DeepSpeed universal checkpoint (resume with another world size)."),
+    output_format: str = typer.Option("file", "--format", help="file (one weights file, by OUTPUT's suffix) or hf (a folder from_pretrained loads; hf: models)."),
+    hf_source: Optional[Path] = typer.Option(None, "--hf-source", help="With --format hf: the folder with config.json and tokenizer (default: the run's hf_source/)."),
 ) -> None:
     """Consolidate sharded ZeRO checkpoints (any stage, any rank count) into one weights file.
 
@@ -218,10 +247,20 @@ def convert_cmd(
       dstrain convert-checkpoint runs/x/checkpoints out/ --max-shard-size 5GB --force
 
       dstrain convert-checkpoint runs/x/checkpoints runs/x/universal --to-universal
+
+      dstrain convert-checkpoint runs/x/checkpoints out/llama-ft --format hf --dtype bf16
     """
     from rich.console import Console
-    from dstrain import convert
+    from dstrain.tools import convert
     console = Console(highlight=False)
+    if output_format not in ("file", "hf"):
+        raise UserError.single(f"unknown format {output_format!r}", "--format", "use file or hf")
+    if output_format == "hf":
+        from dstrain.tools.convert.hf_folder import export_hf_folder
+        export = export_hf_folder(checkpoint_dir, output, tag=tag, dtype=dtype, max_shard_size=max_shard_size,
+                                  force=force, source=hf_source)
+        console.print(export.summary(), soft_wrap=True)
+        return
     if to_universal:
         path = convert.to_universal(checkpoint_dir, output, tag=tag, force=force)
         console.print(f"universal checkpoint written to {path}")
@@ -244,7 +283,7 @@ def doctor_cmd(
 
       dstrain doctor --json --nvme-path /local_nvme
     """
-    from dstrain import doctor
+    from dstrain.tools import doctor
     raise typer.Exit(doctor.main(json_output, nvme_path))
 
 
@@ -264,8 +303,53 @@ def eval_cmd(
 
       dstrain eval --run-dir runs/x --resume step00000100
     """
-    from dstrain.evaluate import evaluate_run
+    from dstrain.launcher.eval_job import evaluate_run
     raise typer.Exit(evaluate_run(run_dir, resume, accelerator, verbose))
+
+
+checkpoint_app = typer.Typer(help="Inspect checkpoints: `dstrain checkpoint verify DIR`.", no_args_is_help=True,
+                              add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+app.add_typer(checkpoint_app, name="checkpoint")
+
+
+@checkpoint_app.command("verify")
+@handles_user_errors
+def checkpoint_verify_cmd(
+    target: Path = typer.Argument(..., help="A run directory, its checkpoints/ directory or one tag directory."),
+    hashes: bool = typer.Option(True, "--hashes/--no-hashes", help="Compare SHA-256 (reads every file) or sizes only."),
+) -> None:
+    """Check checkpoints against their completion marks (every file present, same size, same SHA-256) and
+    say which are safe to resume from or convert. Exit 0 when intact, 2 when damaged or incomplete.
+
+    Examples:
+
+      dstrain checkpoint verify runs/x
+
+      dstrain checkpoint verify runs/x/checkpoints/step00000100
+    """
+    from dstrain.tools.checkpoint_verify import verify_checkpoints
+    raise typer.Exit(verify_checkpoints(target, hashes))
+
+
+@app.command("report")
+@handles_user_errors
+def report_cmd(
+    run_dirs: List[Path] = typer.Argument(..., help="Run directories of `dstrain run` (several: overlaid)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="HTML page to write; the PNGs go beside it "
+                                          "(default: RUN_DIR/report.html for one run, ./report.html for several)."),
+) -> None:
+    """Plot runs from their metrics.jsonl: loss and eval loss, lr, gradient norm, tokens/s, memory, rollbacks
+    marked; PNG images and one self-contained HTML page, and a summary table here. Needs matplotlib.
+
+    Examples:
+
+      dstrain report runs/x
+
+      dstrain report runs/a runs/b -o compare.html
+    """
+    from rich.console import Console
+    from dstrain.tools.report import report
+    report(run_dirs, output, Console(highlight=False))
 
 
 def main() -> None:  # pragma: no cover - console entry

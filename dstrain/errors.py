@@ -41,3 +41,14 @@ class UserError(Exception):
         count = len(self.problems)
         head = "1 problem" if count == 1 else f"{count} problems"
         return head + ":\n" + "\n".join("  - " + p.render() for p in self.problems)
+
+
+def require_package(module: str, where: str, extra: str):
+    """Import an optional dependency, or a UserError naming it and the dstrain extra that installs it."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        raise UserError.single(f"{package} is not installed", where,
+                               f"pip install 'dstrain[{extra}]' (or {package})") from None

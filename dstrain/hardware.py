@@ -37,3 +37,26 @@ def host_memory_bytes() -> tuple[int, int]:
         key, _, rest = line.partition(":")
         fields[key] = int(rest.split()[0]) * 1024
     return fields.get("MemTotal", 0), fields.get("MemAvailable", fields.get("MemFree", 0))
+
+
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s from the vendors' data sheets, matched
+# against the device name as CUDA reports it; the first match wins, so specific names come first.
+# MFU = achieved model FLOP/s over this peak (PaLM, appendix B).
+DENSE_BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2500.0), ("B200", 2250.0), ("B100", 1750.0),
+    ("GH200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H800", 989.0),
+    ("H200", 989.0), ("H20", 148.0),
+    ("A100", 312.0), ("A800", 312.0), ("A10G", 70.0), ("A10", 125.0), ("A30", 165.0),
+    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
+    ("RTX 4090", 165.0), ("RTX 3090", 71.0),
+)
+
+
+def dense_bf16_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named like torch.cuda.get_device_name() or nvidia-smi
+    ("NVIDIA H100 80GB HBM3" -> 989.0), or None for a device not in the table (CPUs included)."""
+    name = device_name.upper()
+    for key, peak in DENSE_BF16_PEAK_TFLOPS:
+        if key.upper() in name:
+            return peak
+    return None

@@ -1,6 +1,44 @@
-"""Shared test setup: tests import their helpers (tests/launcher.py) by module name."""
+"""Shared test setup: tests import their helpers (tests/launcher.py) by module name; a one-rank process group."""
 
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A real one-rank gloo process group: checkpointing.save's barriers and gathers run as in a job."""
+    import torch.distributed as dist
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def transformers_missing(monkeypatch):
+    """This process behaves as if transformers were not installed (the test extra installs it): its
+    import raises ImportError and find_spec finds nothing; modules that imported it are forgotten."""
+    for name in [n for n in sys.modules if n == "transformers" or n.startswith(("transformers.", "examples.huggingface"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+
+
+# Each lane's time, printed at the end of every run (CI runs both lanes in one `pytest -q`): the fast
+# lane must stay under 3 minutes and the whole suite under CI's 45, so both figures are watched.
+_LANE_SECONDS = {"fast lane (not integration)": 0.0, "launcher lane (integration)": 0.0}
+
+
+def pytest_runtest_logreport(report):
+    lane = "launcher lane (integration)" if "integration" in report.keywords else "fast lane (not integration)"
+    _LANE_SECONDS[lane] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line("")
+    for lane, seconds in _LANE_SECONDS.items():
+        if seconds:
+            terminalreporter.write_line(f"{lane}: {seconds:.0f} s ({seconds / 60:.1f} min) of test time")

@@ -27,13 +27,12 @@ model:
     hf_token: {SECRETS["hf"]}
 data:
   tokenizer: gpt2-token-free-tokenizer
+  kwargs:
+    password: {SECRETS["number"]}
 deepspeed:
   comet:
     enabled: true
     api_key: {SECRETS["comet"]}
-  wandb:
-    enabled: false
-    password: {SECRETS["number"]}
 """
 
 

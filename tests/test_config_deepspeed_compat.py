@@ -87,7 +87,7 @@ def test_hf_json_bucket_sizes_are_integers_derived_from_the_model_width():
 
 def test_hf_json_auto_bucket_sizes_say_where_they_came_from():
     sources = resolve(env=HF_ENV).sources
-    assert sources["deepspeed.zero_optimization.reduce_bucket_size"] == "auto: from model.d_model=128"
+    assert sources["deepspeed.zero_optimization.reduce_bucket_size"] == "auto: hidden^2 from model.d_model=128"
     assert sources["deepspeed.zero_optimization.sub_group_size"] == f"{ENV_DEEPSPEED_CONFIG} ({HF_JSON})"
 
 

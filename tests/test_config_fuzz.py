@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from dstrain import show
+from dstrain.config import show
 from dstrain.cli import app
 from dstrain.config import deepspeed_keys as dsk
 from dstrain.config.layers import ENV_DEEPSPEED_CONFIG
@@ -31,7 +31,7 @@ from dstrain.config.schema import DataConfig, ModelConfig, RunConfig, TrainConfi
 from dstrain.errors import UserError
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
-ZERO_KEYS = sorted(dsk.zero_keys("").names) if dsk.zero_keys("") else list(dsk.POSITIVE_ZERO_KEYS)
+ZERO_KEYS = sorted(dsk.zero_keys("").names) if dsk.zero_keys("") else ["stage", "reduce_bucket_size", "sub_group_size"]
 OFFLOAD_KEYS = sorted(dsk.zero_keys("offload_param").names | dsk.zero_keys("offload_optimizer").names) \
     if dsk.zero_keys("offload_param") else ["device", "nvme_path", "pin_memory"]
 REAL_KEYS = sorted({*RunConfig.model_fields, *(f for m in SECTIONS.values() for f in m.model_fields),

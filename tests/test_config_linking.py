@@ -190,3 +190,18 @@ def test_compile_auto_is_on_only_where_it_was_measured_to_help(preset, sets, acc
 def test_compile_with_zero3_is_warned_about():
     resolved = resolve(preset="stage3", sets=["train.compile=true"], accelerator="cuda", env={})
     assert any("train.compile" in w and "stage 3" in w for w in resolved.warnings)
+
+
+@pytest.mark.parametrize("preset, world, accelerator, warned", [
+    ("stage3", 1, "cuda", True),
+    ("stage3", 2, "cuda", False),
+    ("stage3", 1, "cpu", False),
+    ("stage3_offload", 1, "cuda", False),  # parameter offload is what stage 3 is there for
+    ("stage2", 1, "cuda", False),
+])
+def test_stage3_on_one_gpu_is_warned_about_with_the_measured_cost(preset, world, accelerator, warned):
+    resolved = resolve(preset=preset, world_size=world, accelerator=accelerator, env={})
+    hits = [w for w in resolved.warnings if "stage 3 on one GPU" in w]
+    assert bool(hits) is warned
+    if warned:
+        assert "stage2" in hits[0] and "0.61" in hits[0]

@@ -1,4 +1,4 @@
-"""dstrain.convert: ZeRO checkpoints in, one consolidated weights file out.
+"""dstrain.tools.convert: ZeRO checkpoints in, one consolidated weights file out.
 
 The integration tests train a tiny model with the real `deepspeed` launcher (see
 tests/convert_fixtures/train_tiny.py) once per session, then convert its checkpoints.
@@ -20,8 +20,8 @@ import torch
 from safetensors import safe_open
 
 import dstrain
-from dstrain import convert
-from dstrain.convert import (
+from dstrain.tools import convert
+from dstrain.tools.convert import (
     check_not_degenerate,
     convert_checkpoint,
     load_converted,
@@ -339,7 +339,8 @@ def test_failure_while_writing_leaves_no_file_behind(checkpoint, tmp_path, monke
         write(plan.tensors[0].source, 0, torch.zeros(1))
         raise OSError("disk full")
 
-    monkeypatch.setattr(convert, "_stream", fail_halfway)
+    from dstrain.tools.convert import writer
+    monkeypatch.setattr(writer, "stream_master_weights", fail_halfway)  # the disk fills after one tensor
     with pytest.raises(OSError, match="disk full"):
         convert_checkpoint(checkpoint_dir, tmp_path / "model.safetensors", max_shard_size=1000)
     assert files_in(tmp_path) == []

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dstrain import doctor
-from dstrain.env_fixes import sanitize_cuda_arch_list, stale_extension_locks
+from dstrain.tools import doctor
+from dstrain.launcher.env_fixes import sanitize_cuda_arch_list, stale_extension_locks
 
 ARCH = "TORCH_CUDA_ARCH_LIST"
 
@@ -54,7 +54,7 @@ def test_sanitize_without_the_variable_returns_an_equal_copy():
 
 def test_env_fixes_and_doctor_import_without_torch():
     # The launcher uses env_fixes before ranks start, and the CLI must start fast.
-    code = "import sys, dstrain.env_fixes, dstrain.doctor; print('torch' in sys.modules, 'deepspeed' in sys.modules)"
+    code = "import sys, dstrain.launcher.env_fixes, dstrain.tools.doctor; print('torch' in sys.modules, 'deepspeed' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parent.parent).stdout
     assert out.split() == ["False", "False"]
@@ -119,7 +119,7 @@ def test_run_removes_a_stale_build_lock_before_the_ranks_start(tmp_path, monkeyp
     # A lock left by a killed build made a later run's ranks wait on it forever (seen in this
     # project's own CI, after an interrupted async_io build); `dstrain run` now clears it.
     from rich.console import Console
-    from dstrain.launch import _clear_stale_build_locks
+    from dstrain.launcher.preflight import clear_stale_build_locks as _clear_stale_build_locks
     lock = _make_lock(tmp_path / "async_io", age_s=3600)
     busy = _make_lock(tmp_path / "cpu_adam", age_s=0)  # a build in progress keeps its lock
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -245,7 +245,7 @@ def test_main_json_writes_only_json_to_stdout(capsys):
 
 def test_fresh_process_json_mode_keeps_deepspeed_warnings_off_stdout():
     # The first deepspeed import logs to stdout; only a fresh process shows it.
-    code = "import sys; from dstrain.doctor import main; sys.exit(main(json_output=True, nvme_path=None))"
+    code = "import sys; from dstrain.tools.doctor import main; sys.exit(main(json_output=True, nvme_path=None))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).parent.parent, env={**os.environ, "PYTHONPATH": "."})
     report = json.loads(run.stdout)

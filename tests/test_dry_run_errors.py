@@ -98,3 +98,11 @@ def test_the_installed_command_agrees(name, tmp_path):
     assert "Traceback" not in done.stdout + done.stderr
     assert EXPECTED[name] in " ".join(done.stderr.split())
     assert not run_dir.exists()
+
+
+def test_run_prints_its_warnings_on_stderr_and_its_plan_on_stdout(tmp_path):
+    result = CliRunner().invoke(app, ["run", "--dry-run", "--accelerator", "cpu", "--run-dir", str(tmp_path / "r"),
+                                      "--set", "deepspeed.comms_config.verbose=false"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "warning:" in result.stderr and "deepspeed.comms_config" in result.stderr
+    assert "warning:" not in result.stdout and "would run:" in result.stdout

@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from dstrain.errors import UserError
-from dstrain.estimate import (
+from dstrain.models import count_model
+from dstrain.tools.estimate.memory import (
     GiB,
     Hardware,
     Placement,
     Workload,
-    count_model,
     estimate_one,
     estimate_presets,
     placement_from_ds_config,
@@ -333,13 +333,13 @@ def test_unusable_config_values_are_all_reported_with_their_paths():
 
 
 def test_importing_estimate_does_not_import_torch():
-    code = "import sys, dstrain.estimate; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules"
+    code = "import sys, dstrain.tools.estimate.memory; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_every_shipped_preset_renders_to_the_placement_its_name_promises():
     from dstrain.config.resolve import resolve
-    from dstrain.estimate import PRESET_ORDER
+    from dstrain.config.presets import PRESET_ORDER
 
     expected = {"stage1": (1, "none", "none"), "stage2": (2, "none", "none"), "stage2_offload": (2, "cpu", "none"),
                 "stage3": (3, "none", "none"), "stage3_offload": (3, "cpu", "cpu"),

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from dstrain.cli import app
 from dstrain.config.resolve import resolve
-from dstrain.launch import read_hostfile
+from dstrain.launcher.topology import read_hostfile
 
 REPO = Path(__file__).parent.parent
 EXAMPLES = REPO / "examples"
@@ -47,8 +47,7 @@ def test_example_config_passes_every_check_at_dry_run(at_repo_root, example):
     assert f"model: examples.{example}." in result.output
 
 
-@pytest.mark.skipif(HAS_TRANSFORMERS, reason="transformers is installed here")
-def test_huggingface_example_without_transformers_says_what_to_install(at_repo_root):
+def test_huggingface_example_without_transformers_says_what_to_install(at_repo_root, transformers_missing):
     result = CliRunner().invoke(app, ["run", "--config", str(EXAMPLES / "huggingface" / "config.yaml"), "--dry-run",
                                       "--accelerator", "cpu"], env={"COLUMNS": "250"})
     assert result.exit_code == 2

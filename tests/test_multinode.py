@@ -5,6 +5,7 @@ own backends build from them (pdsh, OpenMPI, SLURM, with stand-ins for the clust
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shlex
@@ -23,13 +24,15 @@ EXAMPLE_HOSTFILE = Path(__file__).parent.parent / "examples" / "multinode" / "ho
 
 
 def dry_run(*args: str) -> tuple[int, str, list[str]]:
-    """(exit code, output, the runner's arguments from the 'would run' line)."""
+    """(exit code, output, the arguments of DeepSpeed's runner, or of its per-node launcher for a job on
+    this machine alone, from the 'would run' line)."""
     result = CliRunner().invoke(app, ["run", "--dry-run", "--accelerator", "cpu", "--set", "model.n_layer=1",
                                       "--set", "model.d_model=32", "--set", "data.seq_len=32", *args],
                                 env={"COLUMNS": "250"})
     line = next((l for l in result.output.splitlines() if l.startswith("would run: ")), "")
     argv = shlex.split(line[len("would run: "):])
-    return result.exit_code, result.output, argv[argv.index("deepspeed.launcher.runner") + 1:] if argv else []
+    launcher = next((a for a in argv if a in ("deepspeed.launcher.runner", "deepspeed.launcher.launch")), None)
+    return result.exit_code, result.output, argv[argv.index(launcher) + 1:] if launcher else []
 
 
 def flag(argv: list[str], name: str) -> str | None:
@@ -49,7 +52,7 @@ def test_hostfile_runs_every_host_with_its_slots(tmp_path):
     assert flag(argv, "--hostfile") == str(EXAMPLE_HOSTFILE)
     assert (flag(argv, "--num_gpus"), flag(argv, "--num_nodes")) == ("8", "2")
     assert world_size(output) == 16
-    assert argv[-3:] == ["--module", "dstrain.worker", str((tmp_path / "r").resolve())]
+    assert argv[-3:] == ["--module", "dstrain.rank.worker", str((tmp_path / "r").resolve())]
     assert not (tmp_path / "r").exists()
 
 
@@ -70,6 +73,27 @@ def test_exclude_passes_through_and_sets_the_world_size():
     code, output, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--exclude", "worker-1")
     assert code == 0 and flag(argv, "--exclude") == "worker-1" and "--num_nodes" not in argv
     assert world_size(output) == 8
+
+
+def world_info(argv: list[str]) -> dict:
+    encoded = next(a for a in argv if a.startswith("--world_info=")).split("=", 1)[1]
+    return json.loads(base64.urlsafe_b64decode(encoded))
+
+
+def test_a_job_on_this_machine_alone_starts_deepspeeds_per_node_launcher_directly(tmp_path):
+    code, output, argv = dry_run("--gpus", "2", "--run-dir", str(tmp_path / "r"))
+    assert code == 0, output
+    assert "deepspeed.launcher.launch" in output and "deepspeed.launcher.runner" not in output
+    assert world_info(argv) == {"localhost": [0, 1]}
+    assert (flag(argv, "--master_addr"), argv[-3:]) == ("127.0.0.1", ["--module", "dstrain.rank.worker",
+                                                                      str((tmp_path / "r").resolve())])
+
+
+def test_cuda_visible_devices_picks_the_devices_of_a_local_job(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
+    code, output, argv = dry_run("--gpus", "2")
+    assert code == 0, output
+    assert world_info(argv) == {"localhost": [2, 3]}
 
 
 def test_master_addr_and_port_pass_through():
@@ -97,7 +121,7 @@ def test_openmpi_launcher_with_gpus_is_an_error_not_a_late_crash():
 def test_slurm_launcher_gets_the_worker_file_since_it_drops_module():
     code, _, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--launcher", "slurm")
     assert code == 0 and flag(argv, "--launcher") == "slurm"
-    assert "--module" not in argv and argv[-2].endswith("dstrain/worker.py") and Path(argv[-2]).is_file()
+    assert "--module" not in argv and argv[-2].endswith("dstrain/rank/worker.py") and Path(argv[-2]).is_file()
 
 
 def test_no_ssh_runs_one_node_with_a_hostfile_of_the_job_shape_and_a_shared_port(tmp_path):
@@ -147,9 +171,9 @@ exit 0
 
 @pytest.mark.integration
 @pytest.mark.parametrize("launcher, expect", [
-    ("pdsh", ["pdsh ", "-w worker-0,worker-1", "-m deepspeed.launcher.launch", "--module", "dstrain.worker"]),
-    ("openmpi", ["mpirun -n 16 -hostfile", "-u -m dstrain.worker"]),
-    ("slurm", ["srun -n 16 --nodes 2 --gpus-per-node 8", "dstrain/worker.py"]),
+    ("pdsh", ["pdsh ", "-w worker-0,worker-1", "-m deepspeed.launcher.launch", "--module", "dstrain.rank.worker"]),
+    ("openmpi", ["mpirun -n 16 -hostfile", "-u -m dstrain.rank.worker"]),
+    ("slurm", ["srun -n 16 --nodes 2 --gpus-per-node 8", "dstrain/rank/worker.py"]),
 ])
 def test_deepspeed_backends_build_a_runnable_rank_command(tmp_path, launcher, expect):
     tools = tmp_path / "bin"
@@ -218,9 +242,13 @@ def test_two_nodes_with_one_rank_each_train_exactly_like_one_node_with_two_ranks
         time.sleep(0.5)
     nodes.append(node(0))
     single = tmp_path / "one_node"
-    for node in nodes:
-        assert_ok(finish(node))
+    node1, node0 = [finish(node) for node in nodes]
+    for result in (node1, node0):
+        assert_ok(result)
     assert_ok(finish(dstrain_run(single, "--gpus", "2")))
+    # One job, one owner: node 1 came first and holds the run directory's lock; node 0 joins its job.
+    assert "another node of this job holds the run directory" in " ".join(node0.stdout.split())
+    assert (shared / "run.lock").read_text() == ""  # released at the end
 
     two, one = losses(shared), losses(single)
     assert sorted(two) == sorted(one) == [1, 2, 3, 4, 5, 6]
@@ -233,6 +261,7 @@ def test_two_nodes_with_one_rank_each_train_exactly_like_one_node_with_two_ranks
 
     mark = json.loads((shared / "checkpoints" / "step00000006" / "dstrain_complete.json").read_text())
     assert mark["world_size"] == 2 and {"rng_rank0.pt", "rng_rank1.pt"} <= set(mark["files"])
+    assert all(set(record) == {"size", "sha256"} for record in mark["files"].values())  # both nodes' files hashed
     records = {p.name: p.read_text() for p in (shared / "ranks").iterdir()}
     assert records["rank0.exit"] == records["rank1.exit"] == "ok"  # neither node removed the other's records
     assert {"rank0.pid", "rank1.pid"} <= set(records)

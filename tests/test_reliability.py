@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from dstrain.checkpoint import (CHECKPOINTS, COMPLETE_MARK, LATEST, complete_checkpoints, find_resume, prune,
-                                tag_for, verify)
+from dstrain.checkpoints import (CHECKPOINTS, COMPLETE_MARK, LATEST, complete_checkpoints, find_resume, prune,
+                                 tag_for, verify)
 from dstrain.errors import UserError
 from launcher import TINY
 
@@ -70,8 +70,8 @@ def test_resume_skips_a_checkpoint_whose_listed_file_is_missing(tmp_path):
     point_latest(checkpoints, 4)
     found, notes = find_resume("latest", tmp_path)
     assert found.tag == "step00000002"
-    assert notes == ["'latest' names step00000004, which is not complete; resuming from step00000002, "
-                     "the last complete checkpoint"]
+    assert notes == ["'latest' names step00000004, which is damaged (rng_rank1.pt missing); resuming from "
+                     "step00000002, the newest intact checkpoint"]
 
 
 def test_resume_takes_a_complete_checkpoint_that_latest_does_not_name_yet(tmp_path):
@@ -142,16 +142,6 @@ def test_prune_deletes_old_incomplete_directories_and_keeps_the_last_n(tmp_path)
 
 # ------------------------------------------------------------------ checkpoint.save with a stand-in engine
 
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    """A real one-rank gloo process group: checkpoint.save's barriers run as in a job."""
-    import torch.distributed as dist
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 class StandInEngine:
     """Writes what DeepSpeed's save_checkpoint writes (one file per shard), then fails if told to."""
 
@@ -167,7 +157,7 @@ class StandInEngine:
 
 
 def test_save_marks_and_points_latest_only_after_every_file(tmp_path, one_rank_group):
-    from dstrain.checkpoint import save
+    from dstrain.rank.checkpointing import save
     saved = save(StandInEngine(), tmp_path, 2, {"config_hash": "h"}, keep_last=2)
     assert (tmp_path / CHECKPOINTS / LATEST).read_text() == "step00000002"
     assert sorted(json.loads((saved / COMPLETE_MARK).read_text())["files"]) == ["mp_rank_00_model_states.pt",
@@ -175,7 +165,7 @@ def test_save_marks_and_points_latest_only_after_every_file(tmp_path, one_rank_g
 
 
 def test_a_kill_during_save_leaves_latest_on_the_previous_complete_checkpoint(tmp_path, one_rank_group):
-    from dstrain.checkpoint import save
+    from dstrain.rank.checkpointing import save
     save(StandInEngine(), tmp_path, 2, {}, keep_last=2)
     with pytest.raises(KeyboardInterrupt):  # stands for the process dying inside save_checkpoint
         save(StandInEngine(fail_with=KeyboardInterrupt()), tmp_path, 4, {}, keep_last=2)
@@ -188,7 +178,7 @@ def test_a_kill_during_save_leaves_latest_on_the_previous_complete_checkpoint(tm
 def test_saving_a_tag_again_unmarks_it_first(tmp_path, one_rank_group):
     """A run rewound with --resume step00000002 reaches step 4 again: the old step 4 must not look
     complete (nor be `latest`) while its files are being replaced."""
-    from dstrain.checkpoint import save
+    from dstrain.rank.checkpointing import save
     checkpoints = tmp_path / CHECKPOINTS
     fabricate(checkpoints, 2)
     fabricate(checkpoints, 4)
@@ -201,7 +191,7 @@ def test_saving_a_tag_again_unmarks_it_first(tmp_path, one_rank_group):
 
 
 def test_a_full_disk_during_save_is_an_error_naming_the_checkpoint(tmp_path, one_rank_group):
-    from dstrain.checkpoint import save
+    from dstrain.rank.checkpointing import save
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     with pytest.raises(UserError) as caught:
         save(StandInEngine(fail_with=full), tmp_path, 2, {}, keep_last=2)
@@ -212,7 +202,7 @@ def test_a_full_disk_during_save_is_an_error_naming_the_checkpoint(tmp_path, one
 
 
 def test_a_failed_collective_during_save_is_not_reported_as_a_disk_problem(tmp_path, one_rank_group):
-    from dstrain.checkpoint import save
+    from dstrain.rank.checkpointing import save
     peer_died = RuntimeError("Connection closed by peer [127.0.0.1]:29500")
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         save(StandInEngine(fail_with=peer_died), tmp_path, 2, {}, keep_last=2)
@@ -249,7 +239,7 @@ def test_the_plan_of_a_dry_run_never_prints_a_secret(tmp_path, monkeypatch):
 
 
 def test_rank_environment_gets_a_cuda_arch_list_deepspeed_can_parse(monkeypatch):
-    from dstrain.launch import _rank_env
+    from dstrain.launcher.runner import rank_env as _rank_env
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0 9.0a 10.0a+PTX")
     env = _rank_env("cuda", 8)
     assert env["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"
@@ -316,7 +306,7 @@ def rank_processes(run_dir: Path) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if proc.name.isdigit() and b"dstrain.worker" in cmdline and needle in b"\0" + cmdline:
+        if proc.name.isdigit() and b"dstrain.rank.worker" in cmdline and needle in b"\0" + cmdline:
             pids.append(int(proc.name))
     return pids
 
@@ -358,14 +348,14 @@ def flat(text: str) -> str:
 
 
 def runner_started(run_dir: Path) -> bool:
-    """The deepspeed runner of this run is up (its last argument is the run directory)."""
+    """DeepSpeed's launcher of this run is up (its last argument is the run directory)."""
     needle = b"\0" + str(run_dir.resolve()).encode() + b"\0"
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"deepspeed.launcher.runner" in cmdline and needle in b"\0" + cmdline:
+        if (b"deepspeed.launcher.runner" in cmdline or b"deepspeed.launcher.launch" in cmdline) and needle in b"\0" + cmdline:
             return True
     return False
 
@@ -374,16 +364,16 @@ def runner_started(run_dir: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def killed_rank(tmp_path_factory):
-    """Rank 1 is held inside its step-4 save (its RNG file is a FIFO nobody reads: open() blocks) after
-    rank 0 wrote all of its files, then killed with SIGKILL: a rank lost after its first checkpoint,
+    """Rank 1 is held inside its step-6 save (its RNG file is a FIFO nobody reads: open() blocks) after
+    rank 0 wrote all of its files, then killed with SIGKILL: a rank lost after two checkpoints,
     and a save interrupted with a tag directory that has shards but no mark."""
     run_dir = tmp_path_factory.mktemp("killed") / "run"
-    held = run_dir / CHECKPOINTS / "step00000004"
+    held = run_dir / CHECKPOINTS / "step00000006"
     held.mkdir(parents=True)
     os.mkfifo(held / "rng_rank1.pt")
     job = Job.start(run_dir, "train.max_steps=1000", "train.save_every=2")
-    job.wait_for(lambda: latest_tag(run_dir) == "step00000002" and (held / "rng_rank0.pt").exists(),
-                 "a first checkpoint and rank 0's part of the second")
+    job.wait_for(lambda: latest_tag(run_dir) == "step00000004" and (held / "rng_rank0.pt").exists(),
+                 "two checkpoints and rank 0's part of the third")
     os.kill(int((run_dir / "ranks" / "rank1.pid").read_text()), signal.SIGKILL)
     result = ended(job, job.finish(timeout=120))
     print(f"job ended {result.seconds:.1f} s after SIGKILL of rank 1 (exit {result.code})")
@@ -408,26 +398,46 @@ def test_a_killed_rank_leaves_no_rank_process_running(killed_rank):
 @pytest.mark.integration
 def test_a_save_killed_midway_leaves_latest_on_the_last_complete_checkpoint(killed_rank):
     job, result = killed_rank
-    held = job.run_dir / CHECKPOINTS / "step00000004"
-    assert result.latest == "step00000002"
-    assert verify(job.run_dir / CHECKPOINTS / "step00000002") is not None
+    held = job.run_dir / CHECKPOINTS / "step00000006"
+    assert result.latest == "step00000004"
+    assert verify(job.run_dir / CHECKPOINTS / "step00000004") is not None
     assert (held / "rng_rank0.pt").exists() and not (held / COMPLETE_MARK).exists()
 
 
 @pytest.mark.integration
-def test_resume_after_a_killed_rank_continues_from_the_last_complete_checkpoint(killed_rank):
+def test_resume_after_a_killed_rank_skips_the_interrupted_and_a_truncated_tag(killed_rank):
+    """Besides the interrupted step-6 save, the newest complete tag (step 4) loses the end of an
+    optimizer shard: `checkpoint verify` names it, and --resume latest falls back to step 2."""
+    import hashlib
+    from launcher import dstrain
     job, _ = killed_rank
-    held = job.run_dir / CHECKPOINTS / "step00000004" / "rng_rank1.pt"
+    checkpoints = job.run_dir / CHECKPOINTS
+    held = checkpoints / "step00000006" / "rng_rank1.pt"
     held.unlink()
     held.write_bytes(b"PK\x03\x04 half a file")  # what a rank killed mid-write leaves
+    shard = checkpoints / "step00000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    good, bad = (dstrain("checkpoint", "verify", str(checkpoints / tag), timeout=60) for tag in ("step00000002",
+                                                                                               "step00000004"))
+    assert good.returncode == 0 and "intact (sizes and SHA-256 match)" in flat(good.stdout), good.stdout
+    assert bad.returncode == 2 and f"damaged: {shard} truncated: 1000 bytes" in flat(bad.stdout), bad.stdout
+
     resumed = Job.start(job.run_dir, "train.max_steps=6", "train.save_every=2", resume="latest")
     resumed.finish(timeout=300)
+    output = flat(resumed.output)
     assert resumed.process.returncode == 0, resumed.output
-    assert "step00000004 is incomplete (its save was interrupted) and is skipped" in flat(resumed.output)
+    assert ("'latest' names step00000004, which is damaged (zero_pp_rank_1_mp_rank_00_optim_states.pt truncated: "
+            "1000 bytes") in output
+    assert "step00000006 is incomplete (its save was interrupted) and is skipped" in output
     assert "resumed from step00000002 at step 2" in resumed.output
     assert metric_steps(job.run_dir)[-4:] == [3, 4, 5, 6]
     assert latest_tag(job.run_dir) == "step00000006"
-    assert verify(job.run_dir / CHECKPOINTS / "step00000004") is not None  # saved again, whole this time
+    assert verify(checkpoints / "step00000004") is not None  # saved again, whole this time
+    files = json.loads((checkpoints / "step00000006" / COMPLETE_MARK).read_text())["files"]
+    for rank in (0, 1):  # each rank hashed its own shard; rank 0 gathered both records into the mark
+        data = (checkpoints / "step00000006" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").read_bytes()
+        assert files[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] == {
+            "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 # -------- preemption: SIGTERM to `dstrain run` in the middle of training
@@ -450,6 +460,7 @@ def test_sigterm_saves_and_exits_143_within_120_s(terminated):
     assert result.seconds < 120
     assert "SIGTERM: asking the ranks to save a checkpoint and stop" in result.output
     assert "stopped cleanly after a checkpoint; continue with --resume latest" in result.output
+    assert "stopped by SIGTERM at step" in result.output and "SIGINT" not in result.output
     assert result.leftover == []
 
 

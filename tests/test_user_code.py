@@ -74,9 +74,7 @@ def test_too_little_text_for_one_sequence_per_split_is_caught_before_launch(tmp_
     assert "held-out split" in messages(err)
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") is not None,
-                    reason="transformers is installed here")
-def test_a_named_tokenizer_without_transformers_is_a_clear_error(tmp_path):
+def test_a_named_tokenizer_without_transformers_is_a_clear_error(tmp_path, transformers_missing):
     (tmp_path / "a.txt").write_text("hello " * 1000)
     with pytest.raises(UserError) as err:
         check_source(config(data={"source": "text", "paths": [str(tmp_path / "a.txt")], "tokenizer": "gpt2"}))

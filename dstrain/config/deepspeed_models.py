@@ -2,29 +2,31 @@
 
 Used by `dstrain run` (dry runs too) before any rank starts, so a wrong value is exit code 2 with
 the key path, not a stack trace from every rank a minute later. `dstrain config` skips this to
-stay torch-free; its key-name checks come from `deepspeed_keys`.
+stay torch-free; its key-name and bound checks come from `deepspeed_keys`, which names the same
+models (MODEL_SECTIONS) and reads them from DeepSpeed's source.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
+from dstrain.config.deepspeed_keys import MODEL_SECTIONS
+from dstrain.config.layers import get_path
 from dstrain.errors import Problem
 
 
 def validate(ds_config: dict[str, Any]) -> list[Problem]:
     import pydantic
-    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    sections = {"zero_optimization": DeepSpeedZeroConfig, "fp16": DeepSpeedFP16Config, "bf16": DeepSpeedBF16Config,
-                "tensorboard": TensorBoardConfig, "wandb": WandbConfig, "csv_monitor": CSVConfig, "comet": CometConfig}
     problems: list[Problem] = []
-    for key, model in sections.items():
-        value = ds_config.get(key)
+    for key, (rel, class_name) in MODEL_SECTIONS.items():
+        if key.startswith("zero_optimization."):
+            continue  # the offload sections are fields of DeepSpeedZeroConfig: checked with it
+        value = get_path(ds_config, key)
         if value is None:
             continue
+        model = getattr(importlib.import_module("deepspeed." + rel.removesuffix(".py").replace("/", ".")), class_name)
         if not isinstance(value, dict):
             problems.append(Problem("must be a mapping", f"deepspeed.{key}", "see DeepSpeed's config documentation"))
             continue

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -66,6 +65,34 @@ def read_mapping(path: Path, what: str) -> dict[str, Any]:
     return plain(data, where)
 
 
+def read_deepspeed_json(path: Path, what: str) -> tuple[dict[str, Any], str | None]:
+    """A DeepSpeed config file. DeepSpeed reads config files with hjson, which also takes comments and
+    trailing commas; such a file is read the same way, with a note. Returns (data, note or None)."""
+    try:
+        return read_mapping(path, what), None
+    except UserError as err:
+        first = err.problems[0].message if err.problems else ""
+        if path.suffix.lower() != ".json" or not first.startswith("JSON syntax error"):
+            raise
+        data = _read_hjson(path)
+        if not isinstance(data, dict):
+            raise
+    note = (f"{what} {path}: not strict JSON ({first}); read as DeepSpeed reads config files (hjson), "
+            "but tools that read it with Python's json module would refuse it")
+    return plain(data, f"{what} {path}"), note
+
+
+def _read_hjson(path: Path) -> Any:
+    try:
+        import hjson  # DeepSpeed's own dependency, so present wherever DeepSpeed is
+    except ImportError:
+        return None
+    try:
+        return hjson.loads(path.read_text(encoding="utf-8-sig"))
+    except Exception:  # noqa: BLE001 - hjson raises several kinds; the JSON error is reported instead
+        return None
+
+
 def plain(value: Any, where: str, path: str = "", depth: int = 0, count: list[int] | None = None) -> Any:
     """`value` as JSON-compatible data: string keys at every depth, dates as ISO strings, finite-size ints.
 
@@ -86,13 +113,17 @@ def plain(value: Any, where: str, path: str = "", depth: int = 0, count: list[in
             if not isinstance(key, str):
                 raise UserError.single(f"keys must be strings, found {key!r}", at or where,
                                        f"quote the key: '\"{key}\": ...'")
+            _check_text(key, at or where)
             out[key] = plain(sub, where, f"{path}.{key}" if path else key, depth + 1, count)
         return out
     if isinstance(value, (list, tuple)):  # tuples come from YAML's !!omap / !!pairs
         return [plain(sub, where, f"{path}[{i}]", depth + 1, count) for i, sub in enumerate(value)]
     if isinstance(value, (datetime.date, datetime.datetime)):
         return value.isoformat()  # an unquoted 2024-01-01 was meant as text
-    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
+    if isinstance(value, str):
+        _check_text(value, at)
+        return value
+    if isinstance(value, bool) or value is None or isinstance(value, float):
         return value
     if isinstance(value, int):
         if abs(value) >= MAX_INT:
@@ -100,6 +131,15 @@ def plain(value: Any, where: str, path: str = "", depth: int = 0, count: list[in
         return value
     raise UserError.single(f"unsupported value of type {type(value).__name__} (a YAML !!tag?)", at,
                            "write a plain string, number, boolean, list or mapping")
+
+
+def _check_text(text: str, at: str) -> None:
+    """YAML's "\\ud800" escapes make lone surrogates: text that no UTF-8 or JSON file can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError.single(f"text {text[:40]!r} is not valid Unicode (a lone surrogate at character {err.start})",
+                               at, "write the character itself, or a \\U escape of a real code point")
 
 
 def parse_value(text: str) -> Any:

@@ -11,7 +11,7 @@ Precedence, lowest to highest (a higher layer overrides a lower one key by key):
 
 Some quantities can be set either as `train.*` or as a DeepSpeed key (batch sizes, precision,
 lr, clipping). They are one quantity: the highest layer that sets either spelling wins and the
-other follows (see `linking.py`). "auto" values never win; they are filled in from the rest.
+other follows (see `resolve.py`). "auto" values never win; they are filled in from the rest.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dstrain.config.files import parse_sets, read_mapping
+from dstrain.config.files import parse_sets, read_deepspeed_json, read_mapping
 from dstrain.config.presets import normalize, preset_path
 from dstrain.errors import Problem, UserError
 
@@ -46,6 +46,7 @@ class Layer:
     source: Source
     data: dict[str, Any]
     replaces_deepspeed: bool = False
+    warnings: list[str] = field(default_factory=list)  # e.g. a DeepSpeed JSON read leniently
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Merged:
     data: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, Source] = field(default_factory=dict)
     preset: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
     def source_of(self, path: str) -> Source:
         """The source of a key path, of its nearest set ancestor (a whole section set at once),
@@ -67,6 +69,11 @@ class Merged:
         # A section (e.g. a misspelt `zero_optimisation:`) has sources only on its leaves.
         below = [s for k, s in self.sources.items() if k.startswith(path + ".")]
         return max(below, key=lambda s: s.rank) if below else DEFAULT
+
+    def where(self, path: str) -> str:
+        """'<layer>: <path>' for messages, or just the path for a default."""
+        source = self.source_of(path)
+        return f"{source.label}: {path}" if source is not DEFAULT else path
 
 
 def collect_layers(preset: str | None, config_file: Path | None, sets: list[str],
@@ -102,9 +109,9 @@ def collect_layers(preset: str | None, config_file: Path | None, sets: list[str]
     env_path = env.get(ENV_DEEPSPEED_CONFIG)
     if env_path:
         try:
-            ds = read_mapping(Path(env_path), ENV_DEEPSPEED_CONFIG)
+            ds, note = read_deepspeed_json(Path(env_path), ENV_DEEPSPEED_CONFIG)
             layers.append(Layer(Source(3, f"{ENV_DEEPSPEED_CONFIG} ({env_path})"), {"deepspeed": ds},
-                                replaces_deepspeed=True))
+                                replaces_deepspeed=True, warnings=[note] if note else []))
         except UserError as err:
             for p in err.problems:
                 p.fix = p.fix or f"point {ENV_DEEPSPEED_CONFIG} at a DeepSpeed JSON file, or unset it"
@@ -127,6 +134,7 @@ def merge(layers: list[Layer]) -> Merged:
     """Deep-merge the layers in order, recording the source of every leaf."""
     merged = Merged()
     for layer in layers:
+        merged.warnings += layer.warnings
         if layer.replaces_deepspeed:
             merged.data.pop("deepspeed", None)
             merged.sources = {k: v for k, v in merged.sources.items()

@@ -23,9 +23,25 @@ class Section(BaseModel):
                               allow_inf_nan=False)
 
 
+class LoraConfig(Section):
+    """LoRA adapters through the peft package (docs/fine-tuning.md): the base weights are frozen,
+    only the adapters train, and export merges them into the base weights."""
+
+    r: PositiveInt = 8
+    """Rank of the adapter matrices."""
+    alpha: PositiveFloat = 16.0
+    """Scaling numerator: the adapter's update is multiplied by alpha / r."""
+    target_modules: list[str] | None = None
+    """Names (or name suffixes) of the modules that get adapters, e.g. [q_proj, v_proj]; left unset,
+    peft's default for the architecture (q_proj and v_proj for Llama, c_attn for GPT-2)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input."""
+
+
 class ModelConfig(Section):
     name: str = "gpt"
-    """Which model to train: "gpt" (the built-in GPT family) or an entry point "package.module:function"
+    """Which model to train: "gpt" (the built-in GPT family), "hf:<local directory or hub id>" (a pretrained
+    Hugging Face causal LM, weights loaded; docs/fine-tuning.md) or an entry point "package.module:function"
     returning an nn.Module whose forward(batch) returns the loss (see README, "Your own model")."""
     n_layer: PositiveInt = 4
     """Transformer blocks of the built-in GPT."""
@@ -38,29 +54,63 @@ class ModelConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout probability inside the built-in GPT."""
     kwargs: dict[str, Any] = {}
-    """Keyword arguments passed to a model entry point (ignored for "gpt")."""
+    """Keyword arguments passed to a model entry point (ignored for "gpt"). For "hf:" models: dtype
+    (float32 unless set; bfloat16, float16, auto), attn_implementation (eager, sdpa, ...),
+    trust_remote_code (false unless set: true runs the model's own code), revision, and any
+    config.json key to override (e.g. use_cache: false)."""
+    lora: LoraConfig | None = None
+    """LoRA adapters for an "hf:" model (needs the peft package); unset: the whole model trains."""
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
         # After all fields: n_head is declared before d_model, so a field validator would not see it.
         if self.name == "gpt" and self.d_model % self.n_head:
             raise ValueError(f"model.n_head={self.n_head} must divide model.d_model={self.d_model}")
+        if self.lora is not None and not self.name.startswith("hf:"):
+            raise ValueError("model.lora needs an \"hf:\" model (peft wraps Hugging Face models)")
         return self
+
+
+class DataFields(Section):
+    text: str = "text"
+    """The document, for format "text"."""
+    prompt: str = "prompt"
+    """The prompt, for format "prompt_response" (no loss on it)."""
+    response: str = "response"
+    """The response, for format "prompt_response" (the loss is on it and on the end-of-text after it)."""
+    messages: str = "messages"
+    """The conversation, for format "chat": a list of {"role": ..., "content": ...} messages."""
 
 
 class DataConfig(Section):
     source: str = "corpus"
     """Where tokens come from: "corpus" (the embedded real-text corpus: Python's own standard-library
     sources, byte-level), "synthetic" (random tokens, for benchmarks), "text" (files in `paths`),
-    "tokens" (nanoGPT-style token files in `paths`), or an entry point "module:function" returning a Dataset."""
+    "tokens" (nanoGPT-style token files in `paths`), rows of "jsonl", "json" (an array of objects),
+    "parquet" files or "datasets" directories (written by datasets' save_to_disk) in `paths`, read as
+    `format` says (docs/data.md), or an entry point "module:function" returning a Dataset."""
     paths: list[str] = []
     """Files or glob patterns for the "text" and "tokens" sources."""
     seq_len: PositiveInt = 256
     """Tokens per training sequence (also the built-in GPT's context length)."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of "tokens" files (nanoGPT writes uint16)."""
-    tokenizer: str = "byte"
-    """"byte" (one token per UTF-8 byte, vocab 256) or a Hugging Face tokenizer name for "text" sources."""
+    tokenizer: str | None = None
+    """"byte" (one token per UTF-8 byte, vocab 256) or a Hugging Face tokenizer name or directory; unset:
+    the model's own tokenizer for "hf:" models, else "byte"."""
+    format: Literal["text", "prompt_response", "chat"] = "text"
+    """How rows of the jsonl/json/parquet/datasets sources become tokens: "text" (documents packed into
+    seq_len windows, end-of-text between them), "prompt_response" (loss on the response only) or "chat"
+    (messages rendered by the chat template, loss on assistant turns only); see docs/data.md."""
+    fields: DataFields = DataFields()
+    """Names of the fields each row is read from (format "text": fields.text, ...)."""
+    chat_template: str | None = None
+    """A Jinja chat template file that replaces the tokenizer's own, for format "chat"."""
+    split: str = "train"
+    """The split to read from a "datasets" directory that holds several (a DatasetDict)."""
+    cache_dir: str | None = None
+    """Where tokenized rows are cached, keyed by the files' contents, tokenizer, format, fields and
+    seq_len; unset: $XDG_CACHE_HOME/dstrain/tokenized (~/.cache/dstrain/tokenized)."""
     eval_fraction: float = Field(0.05, gt=0.0, lt=1.0)
     """Fraction of the data held out for evaluation (taken from the end)."""
     kwargs: dict[str, Any] = {}
@@ -116,6 +166,11 @@ class TrainConfig(Section):
     """Seed for model init, data order and dropout; the same seed gives the same run."""
     log_every: PositiveInt = 10
     """Log loss, lr and throughput every this many steps (console and metrics.jsonl)."""
+    log_to: list[Literal["tensorboard", "wandb", "csv"]] = []
+    """Trackers that also get every logged metric, event and (tensorboard, wandb) the resolved config as
+    hyper-parameters, next to metrics.jsonl: "tensorboard" (RUN_DIR/tensorboard; pip install
+    'dstrain[tensorboard]'), "wandb" (RUN_DIR/wandb; WANDB_PROJECT, WANDB_MODE=offline are honoured;
+    pip install 'dstrain[wandb]'), "csv" (RUN_DIR/metrics.csv). Several at once: [tensorboard, csv]."""
     eval_every: PositiveInt = 100
     """Evaluate on the held-out split every this many steps, and at the end."""
     eval_batches: PositiveInt = 8
@@ -127,8 +182,53 @@ class TrainConfig(Section):
     runs such as benchmarks and memory probes, where writing the optimizer state costs minutes."""
     keep_last: PositiveInt = 2
     """Complete checkpoints to keep; older ones are deleted (never the only complete one)."""
-    export_final: bool = False
-    """At the end, also write consolidated weights to <run_dir>/final.safetensors."""
+    checkpoint_hashes: bool = True
+    """Record each checkpoint file's SHA-256 in its completion mark (sizes are always recorded). Each
+    rank hashes its own files right after saving, in parallel: about 0.6 s per GB per rank on a CPU
+    core with SHA instructions (benchmarks/checkpoint_hashes.py). `dstrain checkpoint verify` checks them."""
+    verify_hashes_on_resume: bool = False
+    """--resume also compares every file's SHA-256 with the mark, reading the whole checkpoint once more
+    before the ranks start (sizes are always compared)."""
+    save_every_minutes: PositiveFloat | None = None
+    """Also save a checkpoint whenever this many minutes have passed since the last save (all ranks
+    agree on the step without a device sync); null: step-based saves only."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Rollbacks the run health guard may make over the whole run (counted across resumes) before it
+    gives up with exit code 1 and a report. A rollback happens when a step's loss or global gradient
+    norm is not finite, or its loss spikes (spike_factor): the ranks load the last complete checkpoint
+    before that step, skip that step's global batch of samples, and train on. 0: give up at once."""
+    spike_factor: float | None = Field(None, gt=1.0)
+    """A step whose loss exceeds this factor times the median of the last spike_window healthy steps
+    is treated like a non-finite one (rollback). null (default): off, since a model whose loss nears
+    zero (e.g. regression) can exceed any factor by noise; 2-3 suits language models."""
+    spike_window: int = Field(50, ge=2)
+    """Healthy steps whose median loss is the reference for spike_factor; the check starts once this
+    many steps have been seen since the run (or the resume) started."""
+    early_stop_patience: PositiveInt | None = None
+    """Stop (with a checkpoint) after this many evaluations in a row without the eval loss improving
+    on its best by more than early_stop_min_delta; null: never stop early."""
+    early_stop_min_delta: NonNegativeFloat = 0.0
+    """How much lower than the best so far an eval loss must be to count as an improvement."""
+    hang_timeout_s: NonNegativeFloat | Literal["auto"] = "auto"
+    """Seconds a rank may make no progress (no new phase or step in its heartbeat) before `dstrain run`
+    calls the job hung: it names the stuck rank, its phase and Python stack, and ends the job (the last
+    complete checkpoint stays `latest`). Start-up, the first step and checkpoint saves get three times
+    this. "auto": 600 on GPU, 1800 on CPU; 0 turns hang detection off. NCCL/gloo collectives time out
+    at three times this plus 60 s, so a hang ends even without the watchdog."""
+    export_final: bool | Literal["safetensors", "hf"] = False
+    """At the end, also write consolidated weights: true or "safetensors" to <run_dir>/final.safetensors,
+    "hf" (for "hf:" models) a folder AutoModelForCausalLM.from_pretrained loads, <run_dir>/final_hf."""
+    export_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Floating-point dtype of the train.export_final weights."""
+    init_from: str | None = None
+    """A consolidated .safetensors (dstrain's own export) to start the model from, keys checked strictly
+    against the model's state_dict (any model; a resumed run loads its checkpoint instead)."""
+    trainable: list[str] = []
+    """Name patterns (fnmatch, e.g. "blocks.3.*") of the parameters that train; empty: all of them.
+    Names are the model's own (for "hf:" models as in its state_dict, e.g. "model.layers.0.mlp.up_proj.weight")."""
+    frozen: list[str] = []
+    """Name patterns of parameters to freeze (applied after train.trainable). Frozen parameters stay in
+    checkpoints and exports but never reach the optimizer."""
 
 
 class RunConfig(Section):

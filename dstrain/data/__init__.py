@@ -1,34 +1,101 @@
-"""Training and evaluation data: token sources and the deterministic, resumable sampler."""
+"""Training and evaluation data: token sources, row sources and the deterministic, resumable sampler.
+
+The batch contract (what forward(batch) receives, moved to the device):
+- Token sources ("corpus", "synthetic", "text", "tokens"): a tuple (inputs, targets) of int64
+  tensors [micro, seq_len], targets = inputs shifted left by one (the next token).
+- Row sources ("jsonl", "json", "parquet", "datasets"): a dict {"input_ids", "labels"} of int64
+  tensors [micro, seq_len]. labels are ALIGNED with input_ids (labels[b, t] is the token at t, or
+  -100 where no loss is taken: prompts, non-assistant turns, padding); the model shifts, predicting
+  labels[:, t + 1] from position t, as Hugging Face causal LMs do with `labels=`. The loss is the
+  mean over positions whose label is not -100. There is no attention_mask: "text" windows are full,
+  and examples are right-padded, so under causal attention no real token sees a pad.
+- An entry-point Dataset: whatever default_collate makes of its items.
+The built-in GPT accepts both of the first two.
+"""
 
 from __future__ import annotations
 
-from dstrain.config.schema import RunConfig
+from dstrain.config.schema import DataConfig, RunConfig
 from dstrain.errors import UserError
 
-SOURCES_HINT = "use corpus, synthetic, text, tokens or an entry point 'module:function'"
+SOURCES_HINT = "use corpus, synthetic, text, tokens, jsonl, json, parquet, datasets or an entry point 'module:function'"
+TOKEN_SOURCES = ("corpus", "synthetic", "text", "tokens")
+HF_PREFIX = "hf:"  # model.name "hf:<directory or hub id>": a Hugging Face causal LM
 
 
-def check_source(config: RunConfig) -> None:
+def data_config(config: RunConfig) -> DataConfig:
+    """The data section with data.tokenizer resolved: as set, else the model's own for "hf:" models, else byte."""
+    data = config.data
+    if data.tokenizer is not None:
+        return data
+    model = config.model.name
+    return data.model_copy(update={"tokenizer": model[len(HF_PREFIX):] if model.startswith(HF_PREFIX) else "byte"})
+
+
+def check_source(config: RunConfig) -> list[str]:
     """What can be checked before any rank starts, cheaply: the entry point imports, the files
-    exist and have whole tokens, the tokenizer's package is installed, both splits hold a window."""
+    exist and have whole tokens, the tokenizer's package is installed, both splits hold a window.
+    Row sources are read and tokenized in full here (and cached: the ranks then only load), so a bad
+    row stops the run before it starts. Returns warnings (examples cut to seq_len, say)."""
     import importlib.util
     from dstrain.data import sources
+    from dstrain.data.records import ROW_SOURCES
     from dstrain.entrypoints import is_entry_point, load_entry_point
 
-    data = config.data
+    data = data_config(config)
     if is_entry_point(data.source):
         load_entry_point(data.source, "data.source")
-        return
-    if data.source not in ("corpus", "synthetic", "text", "tokens"):
+        return []
+    if data.source not in TOKEN_SOURCES + ROW_SOURCES:
         raise UserError.single(f"unknown data source {data.source!r}", "data.source", SOURCES_HINT)
+    if data.source in ROW_SOURCES:
+        return _check_rows(config, data)
+    if data.format != "text":
+        raise UserError.single(f"data.format {data.format!r} reads rows of data files, but data.source "
+                               f"{data.source!r} is a token stream", "data.format",
+                               "use data.source jsonl, json, parquet or datasets for prompt/response or chat rows")
     if data.source == "text" and data.tokenizer != "byte" and importlib.util.find_spec("transformers") is None:
         raise UserError.single(f"tokenizer {data.tokenizer!r} needs the transformers package", "data.tokenizer",
                                "pip install transformers, or use tokenizer: byte")
     if data.source == "text":
-        sources._expand(data.paths, "data.paths")
+        sources.expand_paths(data.paths, "data.paths")
     length = sources.stream_length(data)
     if length is not None:
         sources.split_point(length, data.eval_fraction, data.seq_len)
+    return []
+
+
+def _check_rows(config: RunConfig, data: DataConfig) -> list[str]:
+    """Encode (or load from the cache) the rows; both splits must hold a sample; token ids must fit the built-in GPT."""
+    from dstrain.data.tokenized import load_encoded
+    encoded = load_encoded(data)
+    split_encoded(encoded, data)
+    if config.model.name == "gpt" and encoded.max_id() >= config.model.vocab_size:
+        raise UserError.single(f"the tokenized data holds token id {encoded.max_id()}, but model.vocab_size is "
+                               f"{config.model.vocab_size}", "model.vocab_size",
+                               f"set model.vocab_size to at least {encoded.max_id() + 1} (the tokenizer's vocabulary)")
+    stats, warnings = encoded.stats, []
+    if stats.get("truncated"):
+        warnings.append(f"{stats['truncated']} of {stats['rows']} examples are longer than data.seq_len="
+                        f"{data.seq_len} (the longest: {stats['longest']} tokens) and are cut to it")
+    if stats.get("dropped"):
+        warnings.append(f"{stats['dropped']} examples have no response or assistant token left within data.seq_len "
+                        "and are left out")
+    return warnings
+
+
+def split_encoded(encoded, data: DataConfig):
+    """(train, held-out) parts of encoded rows: the last eval_fraction of the packed stream ("text")
+    or of the examples (other formats), as for the token sources. Both must hold a sample."""
+    from dstrain.data.sources import split
+    if encoded.tokens is not None:
+        return split(encoded.tokens, data.eval_fraction, data.seq_len)
+    examples = len(encoded.offsets) - 1
+    cut = int(examples * (1.0 - data.eval_fraction))
+    if cut < 1 or cut >= examples:
+        raise UserError.single(f"{examples} examples are too few to hold out {data.eval_fraction:.0%} and train on "
+                               "the rest", "data.eval_fraction", "use more rows, or another data.eval_fraction")
+    return encoded.offsets[:cut + 1], encoded.offsets[cut:]
 
 
 def load_dataset(config: RunConfig):
@@ -48,6 +115,7 @@ def load_dataset(config: RunConfig):
 def build_samplers(config: RunConfig):
     """(train, eval) samplers for the configured data source; see `sampler.py` for the order."""
     from dstrain.data import sampler as S
+    from dstrain.data.records import ROW_SOURCES
     from dstrain.data.sources import load_tokens, split
     from dstrain.entrypoints import is_entry_point
 
@@ -64,8 +132,21 @@ def build_samplers(config: RunConfig):
                                    f"{data.eval_fraction:.0%}", "data.eval_fraction", "use a larger dataset")
         return (S.DatasetSampler(tud.Subset(dataset, range(cut)), seed),
                 S.DatasetSampler(tud.Subset(dataset, range(cut, len(dataset))), seed + 1))
-    train, held_out = split(load_tokens(data), data.eval_fraction, data.seq_len)
+    if data.source in ROW_SOURCES:
+        return _row_samplers(data_config(config), seed)
+    train, held_out = split(load_tokens(data_config(config)), data.eval_fraction, data.seq_len)
     # Only the built-in GPT reads model.vocab_size; a user model sizes its own embedding.
     vocab = config.model.vocab_size if config.model.name == "gpt" else None
     return (S.WindowSampler(train, data.seq_len, seed, vocab),
             S.WindowSampler(held_out, data.seq_len, seed + 1, vocab))
+
+
+def _row_samplers(data: DataConfig, seed: int):
+    from dstrain.data import sampler as S
+    from dstrain.data.tokenized import load_encoded
+    encoded = load_encoded(data)
+    train, held_out = split_encoded(encoded, data)
+    if encoded.tokens is not None:
+        return S.PackedSampler(train, data.seq_len, seed), S.PackedSampler(held_out, data.seq_len, seed + 1)
+    return tuple(S.ExampleSampler(encoded.ids, encoded.labels, offsets, data.seq_len, encoded.pad_id, seed + i)
+                 for i, offsets in enumerate((train, held_out)))

@@ -87,3 +87,68 @@ def rank_batch(sampler, step: int, micro_step: int, rank: int, world: int, micro
     global_batch = micro * accum * world
     first = step * global_batch + (micro_step * world + rank) * micro
     return sampler.batch(first, micro)
+
+
+def to_device(batch, device):
+    """A batch (tensor, or lists/tuples/dicts of them) on the training device."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class SeededOrder:
+    """Item perm_e[i mod n] for sample i: a permutation of n items seeded by (seed, epoch e)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._epoch, self._perm = -1, None
+
+    def item(self, sample: int) -> int:
+        epoch, offset = divmod(sample, self.n)
+        if epoch != self._epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            self._epoch = epoch
+        return int(self._perm[offset])
+
+
+class PackedSampler:
+    """Labelled batches from a packed token stream (format "text"): non-overlapping windows of
+    seq_len tokens, {"input_ids": window, "labels": window} (the model shifts; see dstrain.data)."""
+
+    def __init__(self, tokens, seq_len: int, seed: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.order = SeededOrder(len(tokens) // seq_len, seed)
+        assert self.order.n > 0, "the split guarantees at least one window"
+
+    def batch(self, first_sample: int, count: int) -> dict[str, torch.Tensor]:
+        rows = []
+        for sample in range(first_sample, first_sample + count):
+            start = self.order.item(sample) * self.seq_len
+            rows.append(np.asarray(self.tokens[start:start + self.seq_len], dtype=np.int64))
+        block = torch.from_numpy(np.stack(rows))
+        return {"input_ids": block, "labels": block.clone()}
+
+
+class ExampleSampler:
+    """Labelled batches of whole examples (formats "prompt_response" and "chat"), one per row,
+    right-padded to seq_len with pad_id (labels -100 there). Example i is ids[offsets[i]:offsets[i + 1]]."""
+
+    def __init__(self, ids, labels, offsets, seq_len: int, pad_id: int, seed: int):
+        self.ids, self.labels, self.offsets = ids, labels, offsets
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.order = SeededOrder(len(offsets) - 1, seed)
+        assert self.order.n > 0, "the split guarantees at least one example"
+
+    def batch(self, first_sample: int, count: int) -> dict[str, torch.Tensor]:
+        input_ids = torch.full((count, self.seq_len), self.pad_id, dtype=torch.int64)
+        labels = torch.full((count, self.seq_len), -100, dtype=torch.int64)
+        for row, sample in enumerate(range(first_sample, first_sample + count)):
+            item = self.order.item(sample)
+            start, stop = int(self.offsets[item]), int(self.offsets[item + 1])
+            input_ids[row, :stop - start] = torch.from_numpy(np.asarray(self.ids[start:stop], dtype=np.int64))
+            labels[row, :stop - start] = torch.from_numpy(np.asarray(self.labels[start:stop], dtype=np.int64))
+        return {"input_ids": input_ids, "labels": labels}

@@ -33,7 +33,7 @@ def corpus_tokens() -> np.ndarray:
     return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
 
 
-def _expand(paths: list[str], key: str) -> list[Path]:
+def expand_paths(paths: list[str], key: str) -> list[Path]:
     """Files named by `paths` (files or glob patterns, `**` recursive), in the order given,
     each pattern's matches sorted: the same list on every rank and every run."""
     files: list[Path] = []
@@ -54,11 +54,12 @@ def _expand(paths: list[str], key: str) -> list[Path]:
 
 
 def text_tokens(config: DataConfig) -> np.ndarray:
-    """Text files, byte-level or through a Hugging Face tokenizer named in data.tokenizer.
-    Files are joined in `_expand` order: byte-level with a newline between them, tokenized
-    with the tokenizer's end-of-text token after each (as nanoGPT's prepare scripts do)."""
-    files = _expand(config.paths, "data.paths")
-    if config.tokenizer == "byte":
+    """Text files, byte-level or through a Hugging Face tokenizer named in data.tokenizer (unset: byte;
+    `dstrain.data.data_config` resolves an hf: model's own). Files are joined in `expand_paths` order:
+    byte-level with a newline between them, tokenized with the tokenizer's end-of-text token after
+    each (as nanoGPT's prepare scripts do)."""
+    files = expand_paths(config.paths, "data.paths")
+    if config.tokenizer in (None, "byte"):
         return np.frombuffer(b"\n".join(f.read_bytes() for f in files), dtype=np.uint8)
     tokenizer = load_tokenizer(config.tokenizer)
     ids: list[int] = []
@@ -80,6 +81,11 @@ def load_tokenizer(name: str):
     try:
         return transformers.AutoTokenizer.from_pretrained(name)
     except Exception as err:  # noqa: BLE001 - a name that does not load is the user's input
+        path = Path(name)
+        if path.is_dir() and not any(path.glob("tokenizer*")) and not any(path.glob("vocab*")):
+            raise UserError.single(f"{path} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                                   "vocab...)", "data.tokenizer", "save the tokenizer next to the model "
+                                   "(tokenizer.save_pretrained), or set data.tokenizer to one (or byte)") from None
         raise UserError.single(f"cannot load tokenizer {name!r}: {type(err).__name__}: {err}", "data.tokenizer",
                                "give a Hugging Face tokenizer name or a local directory holding one") from None
 
@@ -121,7 +127,7 @@ def _token_file_lengths(config: DataConfig) -> list[tuple[Path, int]]:
     """(file, token count) of each "tokens" file; every size must be a whole number of tokens."""
     dtype = np.dtype(config.token_dtype)
     lengths, problems = [], []
-    for f in _expand(config.paths, "data.paths"):
+    for f in expand_paths(config.paths, "data.paths"):
         size = f.stat().st_size
         if size % dtype.itemsize:
             problems.append(Problem(f"size {size} bytes is not a whole number of {config.token_dtype} tokens",
@@ -156,8 +162,8 @@ def stream_length(config: DataConfig) -> int | None:
     if config.source == "corpus":
         files = corpus_files()
         return sum(f.stat().st_size for f in files) + max(len(files) - 1, 0)
-    if config.source == "text" and config.tokenizer == "byte":
-        files = _expand(config.paths, "data.paths")
+    if config.source == "text" and config.tokenizer in (None, "byte"):
+        files = expand_paths(config.paths, "data.paths")
         return sum(f.stat().st_size for f in files) + len(files) - 1
     if config.source == "tokens":
         return sum(n for _, n in _token_file_lengths(config))

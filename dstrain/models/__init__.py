@@ -1,4 +1,5 @@
-"""Model construction: the built-in GPT or a user's entry point ("package.module:function").
+"""Model construction: the built-in GPT, a pretrained Hugging Face model ("hf:...", models/hf.py)
+or a user's entry point ("package.module:function"); then train.init_from and freezing (models/setup.py).
 
 The protocol for a user model (docs/your-model-and-data.md): the function, called with
 model.kwargs, returns an nn.Module whose forward takes one batch (exactly what the data source
@@ -7,7 +8,9 @@ yields, moved to the device) and returns the loss as a scalar tensor.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -23,6 +26,9 @@ def model_builder(config: RunConfig) -> Callable[[], nn.Module]:
     if m.name == "gpt":
         from dstrain.models.gpt import GPT
         return lambda: GPT(m.vocab_size, config.data.seq_len, m.d_model, m.n_layer, m.n_head, m.dropout)
+    from dstrain.models import hf
+    if hf.is_hf(m.name):
+        return hf.skeleton_builder(config)  # random weights: counting, estimates; build_model loads them
     factory = load_entry_point(m.name, "model.name")
 
     def build() -> nn.Module:
@@ -59,9 +65,88 @@ def build_model(config: RunConfig, ds_config: dict, device: torch.device) -> nn.
     host's slow random number generator nor held whole in host RAM before DeepSpeed moves it.
     """
     import deepspeed
-    build = model_builder(config)
-    if (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+
+    from dstrain.models import hf, setup
+    zero3 = (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
+    if hf.is_hf(config.model.name):
+        model = hf.build_pretrained(config, ds_config, device)
+    elif zero3:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            return build()
-    with torch.device(device):
-        return build()
+            model = model_builder(config)()
+    else:
+        with torch.device(device):
+            model = model_builder(config)()
+    if config.train.init_from:
+        setup.load_init_from(config, model, zero3)
+    setup.apply_freezing(config, model)
+    return model
+
+
+class ModelFacts(NamedTuple):
+    """What the pre-launch check learns from the model built on the meta device."""
+
+    params: int         # parameters, tied ones once
+    largest: int        # the largest single module's direct parameters
+    block_class: str | None  # qualified class of an hf: model's repeated block (its transformer layer)
+
+
+def check_model(config: RunConfig) -> ModelFacts:
+    """Before any rank starts: build the model on the meta device (no memory) and check what can be
+    checked there (init_from keys, freezing patterns, an hf: model's tokenizer)."""
+    from dstrain.models import hf, setup
+
+    built: list[nn.Module] = []
+    build = model_builder(config)
+    params, largest = count_model(lambda: built.append(build()) or built[0])
+    model = built[0]
+    if config.train.init_from:
+        setup.check_init_keys(config, model)
+    setup.check_patterns(config, model)
+    block = None
+    if hf.is_hf(config.model.name):
+        hf.check_vocab(config, model.model.config)  # peft's wrapper forwards .config
+        if Path(hf.source_of(config)).is_dir():  # a hub id is downloaded by the ranks, not here
+            hf.weight_files(config)
+        block = hf.block_class(model)
+    return ModelFacts(params, largest, block)
+
+
+def flops_per_token(model, config: RunConfig, n_params: int) -> float:
+    """Training FLOPs per token of `model` (forward and backward), for TFLOP/s and MFU."""
+    from dstrain.models.gpt import GPT, flops_per_token as gpt_flops_per_token
+    from dstrain.models.hf import CausalLM, flops_per_token as hf_flops_per_token
+    if isinstance(model, CausalLM):
+        return hf_flops_per_token(model, n_params, config.data.seq_len)
+    if isinstance(model, GPT):
+        m = config.model
+        return gpt_flops_per_token(n_params, m.n_layer, m.d_model, config.data.seq_len, m.vocab_size)
+    return 6.0 * n_params  # a user model: the 6N rule of thumb
+
+
+@contextlib.contextmanager
+def _initializers_skipped():
+    """torch.nn.init's in-place initializers as no-ops: a meta tensor has no values to fill, and
+    filling one runs torch's reference kernels, whose first use imports torch._dynamo (4 s of
+    `dstrain run`'s pre-launch check on a GPU machine, docs/benchmarks.md)."""
+    from torch.nn import init
+    names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))]
+    saved = {n: getattr(init, n) for n in names}
+    try:
+        for n in names:
+            setattr(init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(init, n, fn)
+
+
+def count_model(build_fn: Callable[[], Any]) -> tuple[int, int]:
+    """(total parameters, largest single module's direct parameters) of `build_fn()`, built on the
+    meta device so no storage is allocated. Shared (tied) parameters count once."""
+    import torch
+
+    with torch.device("meta"), _initializers_skipped():
+        model = build_fn()
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return total, largest

@@ -1,7 +1,8 @@
 """The built-in GPT family: a pre-norm decoder-only transformer with PyTorch SDPA attention.
 
-forward(batch) takes (inputs, targets) token tensors and returns the mean cross-entropy loss,
-which is the model protocol every dstrain model follows. Blocks can be recomputed in backward
+forward(batch) takes (inputs, targets) token tensors, or {"input_ids", "labels"} with labels aligned
+to the inputs and -100 where no loss is taken (see dstrain.data), and returns the mean cross-entropy
+loss, which is the model protocol every dstrain model follows. Blocks can be recomputed in backward
 through DeepSpeed's activation checkpointing (set by the train loop, see `enable_checkpointing`).
 """
 
@@ -77,16 +78,25 @@ class GPT(nn.Module):
         self.checkpoint_fn = checkpoint_fn
 
     def forward(self, batch) -> torch.Tensor:
-        inputs, targets = batch
+        if isinstance(batch, dict):  # {input_ids, labels}: labels aligned with the inputs, -100 = no loss
+            inputs = batch["input_ids"]
+            targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)  # position t predicts label t + 1
+        else:
+            inputs, targets = batch
         positions = torch.arange(inputs.shape[1], device=inputs.device)
         x = self.drop(self.tok_emb(inputs) + self.pos_emb(positions))
         for block in self.blocks:
             x = self.checkpoint_fn(block, x) if self.checkpoint_fn and self.training else block(x)
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 
 
-def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int, embedding_params: int) -> float:
-    """Training FLOPs per token: 6 x non-embedding params (forward + backward matmuls) plus
-    12 x layers x width x sequence for attention scores (Kaplan et al. 2020; PaLM appendix B)."""
-    return 6.0 * (n_params - embedding_params) + 12.0 * n_layer * d_model * seq_len
+def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> float:
+    """Training FLOPs per token of the built-in GPT: 6 x the parameters used in matrix products
+    (forward + backward) plus 12 x layers x width x sequence for the attention scores (Kaplan et
+    al. 2020; PaLM appendix B). The token and position embeddings are lookups, not products, so they
+    are left out; the LM head shares the token embedding's weight but is a real (width x vocabulary)
+    product on every token, so it is counted: 6 x vocabulary x width."""
+    embedding = (vocab_size + seq_len) * d_model  # tok_emb + pos_emb lookups
+    head = vocab_size * d_model  # the tied LM head's matrix product
+    return 6.0 * (n_params - embedding + head) + 12.0 * n_layer * d_model * seq_len

@@ -1,7 +1,9 @@
-"""User code for tests/test_user_code.py, imported as entry points from this directory ("usermods:...").
+"""User code for tests/test_user_code.py (and test_hangs.py), imported as entry points from this directory ("usermods:...").
 
 A model and datasets written the way a user would: nothing here imports dstrain.
 """
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -80,3 +82,54 @@ class ReturnsOutputs(nn.Module):
 
 def returns_outputs():
     return ReturnsOutputs()
+
+
+def numbered_pairs(size: int = 256, d_in: int = 4):
+    """`pairs`, each with its item number: (x, y, i)."""
+    x, y = pairs(size, d_in).tensors
+    return TensorDataset(x, y, torch.arange(size))
+
+
+class Poisoned(Linear):
+    """Linear on numbered pairs, whose training loss is infinite when a batch holds a `poison` item:
+    a bad batch, as a NaN-producing record in real data would be."""
+
+    def __init__(self, d_in: int, poison):
+        super().__init__(d_in)
+        self.poison = set(poison)
+
+    def forward(self, batch):
+        x, y, item = batch
+        loss = F.mse_loss(self.layer(x).squeeze(-1), y)
+        if self.training and self.poison.intersection(item.tolist()):
+            loss = loss * float("inf")
+        return loss
+
+
+def poisoned(d_in: int = 4, poison=()):
+    return Poisoned(d_in, poison)
+
+
+def wait_forever():
+    while True:
+        time.sleep(3600)
+
+
+class HangsOnRank1(Linear):
+    """A deadlock in user code: rank 1 blocks forever in its `at_step`-th training forward."""
+
+    def __init__(self, d_in: int, at_step: int):
+        super().__init__(d_in)
+        self.at_step = at_step
+        self.calls = 0
+
+    def forward(self, batch):
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at_step and torch.distributed.get_rank() == 1:
+                wait_forever()
+        return super().forward(batch)
+
+
+def hangs_on_rank1(d_in: int = 4, at_step: int = 5):
+    return HangsOnRank1(d_in, at_step)

@@ -37,7 +37,7 @@ def gpt_shape_for(params: float) -> tuple[int, int, int]:
 
 def make_plan(config_file: Path | None, sets: list[str], params: float | None, gpus: int | None, nodes: int,
               gpu_mem_gib: float | None, cpu_mem_gib: float | None, accelerator: str) -> Plan:
-    from dstrain import estimate as E
+    from dstrain.tools.estimate import memory as E
 
     notes: list[str] = []
     hw = E.detect_hardware()
@@ -73,8 +73,8 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         notes.append(f"--params {params:.3g}: a GPT of {base.model.n_layer} layers x width {base.model.d_model}, "
                      f"micro batch {base.train.micro_batch_size} x seq_len {base.data.seq_len}")
     else:
-        from dstrain.models import model_builder
-        total, largest = E.count_model(model_builder(base))
+        from dstrain.models import count_model, model_builder
+        total, largest = count_model(model_builder(base))
     estimates, work = [], None
     for name, r in resolved.items():  # each preset may switch activation checkpointing on or off
         ac = r.ds_config.get("activation_checkpointing") or {}

@@ -3,7 +3,8 @@
 `dstrain estimate` runs `estimate_one` for every preset (fastest first: stage1, stage2,
 stage2_offload, stage3, stage3_offload, stage3_nvme) and `recommend` picks the fastest that
 fits. Everything here is plain arithmetic on dataclasses: importing this module never imports
-torch or deepspeed (only `detect_hardware` and `count_model` import torch, lazily), so the
+torch or deepspeed (only `detect_hardware` imports torch, lazily; counting a model is
+dstrain.models.count_model), so the
 estimate runs on a laptop.
 
 Notation: P parameters, N = gpus_per_node * nodes data-parallel ranks, n = P / N (one rank's
@@ -89,14 +90,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
 
 from dstrain.errors import Problem, UserError
 
 GiB = 1024**3
 
-PRESET_ORDER = ("stage1", "stage2", "stage2_offload", "stage3", "stage3_offload", "stage3_nvme")
-"""The shipped presets, fastest first (and most memory-frugal last)."""
 
 GPU_HEADROOM = 0.9
 """Fraction of GPU memory a preset may plan to use: fragmentation and transient peaks take the rest."""
@@ -229,6 +227,30 @@ class PresetEstimate:
 # --------------------------------------------------------------------------- DeepSpeed config
 
 
+def _size_setting(section: dict, keys: tuple[str, ...], path: str, default: int, problems: list[Problem]) -> int:
+    """The first of `keys` present in `section` as a non-negative int, else `default`; a value the
+    estimate cannot use (e.g. "auto") is a problem."""
+    for key in keys:
+        if key in section:
+            value = section[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                problems.append(Problem(f"{value!r} is not a non-negative number", f"{path}.{key}",
+                                        "set a number of elements; the estimate needs concrete sizes"))
+                return default
+            return int(value)
+    return default
+
+
+def _offload_device(section: dict | None, path: str, problems: list[Problem]) -> str:
+    if not section:
+        return "none"
+    value = str(section.get("device") or "none").lower()
+    if value not in DEVICES:
+        problems.append(Problem(f"unknown offload device {value!r}", f"{path}.device", "use one of: none, cpu, nvme"))
+        return "none"
+    return value
+
+
 def placement_from_ds_config(ds: dict) -> Placement:
     """Read the ZeRO placement from a rendered DeepSpeed config dict.
 
@@ -239,25 +261,10 @@ def placement_from_ds_config(ds: dict) -> Placement:
     zero = ds.get("zero_optimization") or {}
 
     def number(section: dict, keys: tuple[str, ...], path: str, default: int) -> int:
-        for key in keys:
-            if key in section:
-                value = section[key]
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                    problems.append(Problem(f"{value!r} is not a non-negative number", f"{path}.{key}",
-                                            "set a number of elements; the estimate needs concrete sizes"))
-                    return default
-                return int(value)
-        return default
+        return _size_setting(section, keys, path, default, problems)
 
     def device(section: dict | None, path: str) -> str:
-        if not section:
-            return "none"
-        value = str(section.get("device") or "none").lower()
-        if value not in DEVICES:
-            problems.append(Problem(f"unknown offload device {value!r}", f"{path}.device",
-                                    "use one of: none, cpu, nvme"))
-            return "none"
-        return value
+        return _offload_device(section, path, problems)
 
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
@@ -365,21 +372,54 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
     `work.precision`. Raises UserError for impossible inputs (non-positive sizes, unknown names).
     """
     _check_inputs(placement, work, hw)
-    notes: list[str] = []
+    notes = _placement_notes(placement)
     precision = placement.precision or work.precision
     w = 2 if precision in ("bf16", "fp16") else 4
+    states = _model_states(placement, work.params, -(-work.params // hw.total_gpus), w)
+    act_gpu, act_host = _activations(work, w)
+    gpu_breakdown, gpu_total = _gpu_side(placement, work, hw, w, states["gpu"], act_gpu)
+    cpu_breakdown, cpu_total = _host_side(placement, work, hw, w, states["cpu"], act_host)
+    g = hw.gpus_per_node
+    nvme_breakdown = {"model_states": {k: v * g for k, v in states["nvme"].items()}}
+    nvme_total = sum(nvme_breakdown["model_states"].values())
+
+    fits, why = _judge(gpu_total, cpu_total, nvme_total, hw)
+    if nvme_total and hw.nvme_free_bytes is None:
+        notes.append("NVMe free space unknown: assumed to fit")
+    return PresetEstimate(
+        name=name,
+        placement=placement,
+        gpu_bytes_per_gpu=gpu_total,
+        cpu_bytes_per_node=cpu_total,
+        nvme_bytes=nvme_total,
+        activation_bytes_per_gpu=sum(act_gpu.values()),
+        model_state_bytes_per_gpu=sum(states["gpu"].values()),
+        buffer_bytes_per_gpu=sum(gpu_breakdown["buffers"].values()),
+        fits=fits,
+        why=why,
+        gpu_breakdown=gpu_breakdown,
+        cpu_breakdown=cpu_breakdown,
+        nvme_breakdown=nvme_breakdown,
+        notes=notes,
+    )
+
+
+def _placement_notes(placement: Placement) -> list[str]:
+    """What DeepSpeed will not do as the placement asks, said before the figures."""
+    notes = []
+    if placement.offload_param != "none" and placement.stage != 3:
+        notes.append(f"offload_param={placement.offload_param} ignored: DeepSpeed offloads parameters in stage 3 only")
+    if placement.offload_optimizer == "nvme" and placement.stage != 3:
+        notes.append("offload_optimizer=nvme needs stage 3 in DeepSpeed; estimated as if it ran")
+    return notes
+
+
+def _model_states(placement: Placement, P: int, n: int, w: int) -> dict[str, dict[str, int]]:
+    """One rank's model states by device, {"gpu": {...}, "cpu": {...}, "nvme": {...}}, for `P`
+    parameters of `w` bytes each and a partition of `n` parameters per rank."""
     stage = placement.stage
-    P, L = work.params, work.largest_layer_params
-    N = hw.total_gpus
-    n = -(-P // N)  # one rank's partition, rounded up
     opt_dev = placement.offload_optimizer
     param_dev = placement.offload_param if stage == 3 else "none"
-    if placement.offload_param != "none" and stage != 3:
-        notes.append(f"offload_param={placement.offload_param} ignored: DeepSpeed offloads parameters in stage 3 only")
-    if opt_dev == "nvme" and stage != 3:
-        notes.append("offload_optimizer=nvme needs stage 3 in DeepSpeed; estimated as if it ran")
-
-    # Per-rank model states, by device: {"gpu": {...}, "cpu": {...}, "nvme": {...}}.
     states: dict[str, dict[str, int]] = {"gpu": {}, "cpu": {}, "nvme": {}}
     opt_numel = n if stage >= 1 else P
 
@@ -411,8 +451,12 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
     states[opt_place]["optimizer"] = ADAM_FP32_BYTES_PER_PARAM * opt_numel
     if opt_dev == "cpu" and stage < 3:
         states["cpu"]["params_staging"] = w * opt_numel  # pinned 16-bit copy for the H2D update
+    return states
 
-    # GPU working buffers.
+
+def _gpu_buffers(placement: Placement, work: Workload, w: int) -> dict[str, int]:
+    """GPU working buffers: stage 3's gathered layers, and the gradient reduce buckets."""
+    stage, P, L = placement.stage, work.params, work.largest_layer_params
     buffers: dict[str, int] = {}
     if stage == 3:
         buffers["stage3_largest_layer"] = 2 * w * L
@@ -422,70 +466,55 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
     if stage >= 1 and placement.contiguous_gradients:
         count = 2 if overlap and stage < 3 else 1
         buffers["reduce_buckets"] = count * w * placement.reduce_bucket_size
+    return buffers
 
-    # Host swap buffers for NVMe.
-    host_buffers: dict[str, int] = {}
-    if opt_dev == "nvme":
-        host_buffers["optimizer_swap"] = placement.optimizer_buffer_count * 4 * min(placement.sub_group_size, n)
-    if param_dev == "nvme":
-        host_buffers["param_swap"] = placement.param_buffer_count * placement.param_buffer_size * w
 
-    act_gpu, act_host = _activations(work, w)
+def _builds_on_gpu(placement: Placement, hw: Hardware) -> bool:
+    # dstrain builds stage 0-2 models on the GPU in fp32 (dstrain.models.build_model) before DeepSpeed
+    # casts them: a peak of its own where the steady state keeps less (optimizer offload, many ranks).
+    return hw.accelerator == "cuda" and placement.stage != 3
+
+
+def _gpu_side(placement: Placement, work: Workload, hw: Hardware, w: int, gpu_states: dict[str, int],
+              act_gpu: dict[str, int]) -> tuple[dict, int]:
+    """(breakdown, peak bytes) per GPU."""
+    buffers = _gpu_buffers(placement, work, w)
     runtime_gpu = GPU_RUNTIME_OVERHEAD_BYTES if hw.accelerator == "cuda" else 0
-
-    gpu_breakdown = {
-        "model_states": states["gpu"],
+    breakdown = {
+        "model_states": gpu_states,
         "buffers": buffers,
         "activations": act_gpu,
         "runtime": {"cuda_context_nccl": runtime_gpu},
     }
-    model_state_gpu = sum(states["gpu"].values())
-    buffer_gpu = sum(buffers.values())
-    activation_gpu = sum(act_gpu.values())
-    gpu_total = model_state_gpu + buffer_gpu + activation_gpu + runtime_gpu
-    # dstrain builds stage 0-2 models on the GPU in fp32 (dstrain.models.build_model) before DeepSpeed
-    # casts them: a peak of its own where the steady state keeps less (optimizer offload, many ranks).
-    build_on_gpu = hw.accelerator == "cuda" and stage != 3
-    if build_on_gpu:
-        gpu_breakdown["model_build"] = {"fp32_model": BUILD_BYTES_PER_PARAM * P}
-        gpu_total = runtime_gpu + max(BUILD_BYTES_PER_PARAM * P, gpu_total - runtime_gpu)
+    total = sum(gpu_states.values()) + sum(buffers.values()) + sum(act_gpu.values()) + runtime_gpu
+    if _builds_on_gpu(placement, hw):
+        build = BUILD_BYTES_PER_PARAM * work.params
+        breakdown["model_build"] = {"fp32_model": build}
+        total = runtime_gpu + max(build, total - runtime_gpu)
+    return breakdown, total
 
-    # Host, per node: runtime + max(model build, steady state).
-    g = hw.gpus_per_node
-    build_numel = 0 if build_on_gpu else L if (stage == 3 and work.zero_init) else P
-    cpu_breakdown = {
-        "model_states": {k: int(v * g * HOST_BUFFER_FACTOR) for k, v in states["cpu"].items()},
+
+def _host_side(placement: Placement, work: Workload, hw: Hardware, w: int, cpu_states: dict[str, int],
+               act_host: dict[str, int]) -> tuple[dict, int]:
+    """(breakdown, peak bytes) per node: runtime + max(model build, steady state)."""
+    stage, P, L, g = placement.stage, work.params, work.largest_layer_params, hw.gpus_per_node
+    n = -(-P // hw.total_gpus)
+    host_buffers: dict[str, int] = {}  # host swap buffers for NVMe
+    if placement.offload_optimizer == "nvme":
+        host_buffers["optimizer_swap"] = placement.optimizer_buffer_count * 4 * min(placement.sub_group_size, n)
+    if stage == 3 and placement.offload_param == "nvme":
+        host_buffers["param_swap"] = placement.param_buffer_count * placement.param_buffer_size * w
+    build_numel = 0 if _builds_on_gpu(placement, hw) else L if (stage == 3 and work.zero_init) else P
+    breakdown = {
+        "model_states": {k: int(v * g * HOST_BUFFER_FACTOR) for k, v in cpu_states.items()},
         "buffers": {k: v * g for k, v in host_buffers.items()},
         "activations": {k: v * g for k, v in act_host.items()},
         "model_build": {"fp32_model_per_rank": int(BUILD_BYTES_PER_PARAM * build_numel * g * HOST_BUFFER_FACTOR)},
         "runtime": {"rank_processes": HOST_RUNTIME_BYTES_PER_RANK * g},
     }
-    steady = sum(sum(cpu_breakdown[k].values()) for k in ("model_states", "buffers", "activations"))
-    build = sum(cpu_breakdown["model_build"].values())
-    cpu_total = sum(cpu_breakdown["runtime"].values()) + max(build, steady)
-
-    nvme_breakdown = {"model_states": {k: v * g for k, v in states["nvme"].items()}}
-    nvme_total = sum(nvme_breakdown["model_states"].values())
-
-    fits, why = _judge(gpu_total, cpu_total, nvme_total, hw)
-    if nvme_total and hw.nvme_free_bytes is None:
-        notes.append("NVMe free space unknown: assumed to fit")
-    return PresetEstimate(
-        name=name,
-        placement=placement,
-        gpu_bytes_per_gpu=gpu_total,
-        cpu_bytes_per_node=cpu_total,
-        nvme_bytes=nvme_total,
-        activation_bytes_per_gpu=activation_gpu,
-        model_state_bytes_per_gpu=model_state_gpu,
-        buffer_bytes_per_gpu=buffer_gpu,
-        fits=fits,
-        why=why,
-        gpu_breakdown=gpu_breakdown,
-        cpu_breakdown=cpu_breakdown,
-        nvme_breakdown=nvme_breakdown,
-        notes=notes,
-    )
+    steady = sum(sum(breakdown[k].values()) for k in ("model_states", "buffers", "activations"))
+    build = sum(breakdown["model_build"].values())
+    return breakdown, sum(breakdown["runtime"].values()) + max(build, steady)
 
 
 def _gib(n: float) -> str:
@@ -564,18 +593,6 @@ def detect_hardware() -> Hardware:
         mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
         return Hardware(gpus_per_node=count, nodes=1, gpu_mem_bytes=mem, cpu_mem_bytes=host)
     return Hardware(gpus_per_node=1, nodes=1, gpu_mem_bytes=host, cpu_mem_bytes=host, accelerator="cpu")
-
-
-def count_model(build_fn: Callable[[], Any]) -> tuple[int, int]:
-    """(total parameters, largest single module's direct parameters) of `build_fn()`, built on the
-    meta device so no storage is allocated. Shared (tied) parameters count once."""
-    import torch
-
-    with torch.device("meta"):
-        model = build_fn()
-    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
-    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    return total, largest
 
 
 # --------------------------------------------------------------------------- output

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 import dstrain
-from dstrain.env_fixes import ARCH_LIST_VAR, sanitize_cuda_arch_list, stale_extension_locks
+from dstrain.launcher.env_fixes import ARCH_LIST_VAR, sanitize_cuda_arch_list, stale_extension_locks
 
 # The ops dstrain's features rely on, and what each is for.
 KEY_OPS = {
@@ -561,6 +561,16 @@ def _yes(flag: Any) -> str:
 
 def render(report: Report, console: Console) -> None:
     """Print `report` as readable tables, problems (with fixes) last."""
+    console.print(_environment_table(report))
+    if report.get("gpus"):
+        console.print(_gpu_table(report["gpus"]))
+    if "ops" in report:
+        console.print(_ops_table(report["ops"]))
+    console.print(_offload_dir_table(report["nvme"]))
+    _print_problems(report["problems"], console)
+
+
+def _environment_table(report: Report) -> Table:
     versions, host = report["versions"], report["host"]
     env = Table(title="Environment", show_header=False)
     env.add_column(style="bold")
@@ -582,27 +592,30 @@ def render(report: Report, console: Console) -> None:
                 f"{libaio['dev_library'] or 'no libaio.so'})")
     arch = report["torch_cuda_arch_list"]
     env.add_row(ARCH_LIST_VAR, str(arch["value"]) + (f" -> {arch['sanitized']}" if arch["sanitized"] else ""))
-    console.print(env)
+    return env
 
-    if report.get("gpus"):
-        gpus = Table(title="GPUs")
-        for column in ("#", "name", "memory", "compute capability", "bf16"):
-            gpus.add_column(column)
-        for gpu in report["gpus"]:
-            gpus.add_row(str(gpu["index"]), gpu["name"], _gib(gpu["total_memory_bytes"]),
-                         gpu["compute_capability"], _yes(gpu["bf16"]))
-        console.print(gpus)
 
-    if "ops" in report:
-        ops = Table(title="DeepSpeed ops")
-        for column in ("op", "compatible", "prebuilt", "JIT cached", "used for"):
-            ops.add_column(column)
-        for name, op in report["ops"].items():
-            ops.add_row(name, _yes(op["compatible"]), _yes(op["installed"]), _yes(op["jit_cached"]),
-                        KEY_OPS.get(name, ""))
-        console.print(ops)
+def _gpu_table(gpu_facts: list[dict]) -> Table:
+    gpus = Table(title="GPUs")
+    for column in ("#", "name", "memory", "compute capability", "bf16"):
+        gpus.add_column(column)
+    for gpu in gpu_facts:
+        gpus.add_row(str(gpu["index"]), gpu["name"], _gib(gpu["total_memory_bytes"]),
+                     gpu["compute_capability"], _yes(gpu["bf16"]))
+    return gpus
 
-    nvme = report["nvme"]
+
+def _ops_table(op_facts: dict) -> Table:
+    ops = Table(title="DeepSpeed ops")
+    for column in ("op", "compatible", "prebuilt", "JIT cached", "used for"):
+        ops.add_column(column)
+    for name, op in op_facts.items():
+        ops.add_row(name, _yes(op["compatible"]), _yes(op["installed"]), _yes(op["jit_cached"]),
+                    KEY_OPS.get(name, ""))
+    return ops
+
+
+def _offload_dir_table(nvme: dict) -> Table:
     disk = Table(title="Offload directory" + ("" if nvme["explicit"] else " (system temp dir)"),
                  show_header=False)
     disk.add_column(style="bold")
@@ -614,9 +627,10 @@ def render(report: Report, console: Console) -> None:
                                    f"O_DIRECT: {_yes(nvme['o_direct'])}")
         disk.add_row("sequential", f"write {nvme['write_mb_s']} MB/s, read {nvme['read_mb_s']} MB/s "
                                    f"({nvme['test_bytes'] // 2**20} MiB, synced)")
-    console.print(disk)
+    return disk
 
-    problems = report["problems"]
+
+def _print_problems(problems: list[dict], console: Console) -> None:
     if not problems:
         console.print("[bold green]No problems found: this machine can train.[/]")
         return

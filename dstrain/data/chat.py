@@ -1,0 +1,123 @@
+"""Format "chat": a `messages` list rendered by the tokenizer's chat template, the loss on assistant
+turns only.
+
+Which tokens belong to assistant turns is found in one of two ways:
+- The template marks them itself with `{% generation %}` blocks: transformers' own assistant mask
+  (apply_chat_template's return_assistant_tokens_mask) is used.
+- Otherwise, by rendering prefixes of the conversation: assistant turn i starts where
+  render(messages[:i], add_generation_prompt=True) ends (after the template's assistant header) and
+  ends where render(messages[:i + 1]) ends (its end-of-turn marker included, so the model learns to
+  stop). The whole conversation is tokenized once, and a token is an assistant token when its first
+  character (the tokenizer's offset mapping) lies in such a span. A template that renders earlier
+  turns differently once later turns follow (it is not prefix-stable) is reported, not guessed at.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dstrain.config.schema import DataConfig
+from dstrain.data.formats import IGNORE, Encoded, Encoder, field_values, pack_examples
+from dstrain.errors import UserError
+
+ASSISTANT = "assistant"
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def chat_template(data: DataConfig, encoder: Encoder) -> str:
+    """data.chat_template's file, else the tokenizer's own template; an error when there is none."""
+    if encoder.hf is None:
+        raise UserError.single("format 'chat' needs a Hugging Face tokenizer to render and tokenize messages, and "
+                               "data.tokenizer is byte", "data.tokenizer",
+                               "set data.tokenizer to a tokenizer name or directory (an hf: model's is the default)")
+    if data.chat_template is not None:
+        path = Path(data.chat_template)
+        if not path.is_file():
+            raise UserError.single(f"no chat template file {str(path)!r}", "data.chat_template",
+                                   "name a Jinja file, e.g. one copied from a model's tokenizer_config.json")
+        return path.read_text(encoding="utf-8")
+    template = encoder.hf.chat_template
+    if isinstance(template, dict):  # several named templates: the one apply_chat_template uses by default
+        template = template.get("default")
+    if not template:
+        raise UserError.single(f"tokenizer {encoder.name!r} has no chat template, which format 'chat' renders "
+                               "messages with", "data.tokenizer / data.chat_template",
+                               "use a tokenizer whose tokenizer_config.json has a chat_template, or set "
+                               "data.chat_template to a Jinja template file")
+    return template
+
+
+def check_messages(where: str, messages: list, key: str) -> None:
+    """Every message a {role, content} object, and at least one assistant turn to learn from."""
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise UserError.single(f"message {number} is not an object with 'role' and 'content'", f"{where} ({key})",
+                                   'write each message as {"role": "user", "content": "..."}')
+    if not any(message["role"] == ASSISTANT for message in messages):
+        roles = ", ".join(sorted({m["role"] for m in messages})) or "no messages"
+        raise UserError.single(f"the conversation has no assistant turn (roles: {roles}): nothing to learn from",
+                               f"{where} ({key})", "add the assistant's reply, or remove the row")
+
+
+def encode_chat(rows: list[tuple[str, dict]], data: DataConfig, encoder: Encoder) -> Encoded:
+    template = chat_template(data, encoder)
+    key = "data.fields.messages"
+    conversations = field_values(rows, data.fields.messages, key, list, "list of messages")
+    marked = GENERATION_BLOCK.search(template) is not None
+    examples = []
+    for (where, _), messages in zip(rows, conversations):
+        check_messages(where, messages, key)
+        render = _renderer(encoder.hf, template, where)
+        examples.append(_by_generation_mask(encoder.hf, messages, template, where) if marked
+                        else _by_prefixes(encoder.hf, messages, render, where))
+    return pack_examples("chat", examples, data.seq_len, encoder.pad_id)
+
+
+def _renderer(tokenizer, template: str, where: str):
+    def render(messages: list, add_generation_prompt: bool) -> str:
+        try:
+            return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception as err:  # noqa: BLE001 - the template rejects this conversation
+            raise UserError.single(f"the chat template cannot render this conversation: {type(err).__name__}: {err}",
+                                   f"{where} (data.fields.messages)",
+                                   "fix the row (e.g. roles in the order the template expects)") from None
+    return render
+
+
+def _by_generation_mask(tokenizer, messages: list, template: str, where: str) -> tuple[list[int], list[int]]:
+    try:
+        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    except Exception as err:  # noqa: BLE001 - the template rejects this conversation
+        raise UserError.single(f"the chat template cannot render this conversation: {type(err).__name__}: {err}",
+                               f"{where} (data.fields.messages)", "fix the row") from None
+    ids = list(out["input_ids"])
+    return ids, [token if mask else IGNORE for token, mask in zip(ids, out["assistant_masks"])]
+
+
+def _by_prefixes(tokenizer, messages: list, render, where: str) -> tuple[list[int], list[int]]:
+    full = render(messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != ASSISTANT:
+            continue
+        before, through = render(messages[:i], True), render(messages[:i + 1], False)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise UserError.single(f"the chat template renders turn {i + 1} differently once later turns follow, "
+                                   "so the assistant's tokens cannot be found by rendering prefixes",
+                                   f"{where} (data.chat_template)",
+                                   "set data.chat_template to a template that marks assistant turns with "
+                                   "{% generation %} ... {% endgeneration %}")
+        spans.append((len(before), len(through)))
+    try:
+        encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:
+        raise UserError.single(f"tokenizer {tokenizer.name_or_path!r} gives no character offsets (not a fast "
+                               "tokenizer)", "data.tokenizer",
+                               "use a fast tokenizer (a tokenizer.json), or a template with {% generation %} blocks")
+    ids = list(encoding["input_ids"])
+    labels = [token if any(lo <= start < hi for lo, hi in spans) else IGNORE
+              for token, (start, _end) in zip(ids, encoding["offset_mapping"])]
+    return ids, labels

@@ -1,0 +1,362 @@
+"""Pretrained Hugging Face causal LMs: `model.name: "hf:<local directory or hub id>"`.
+
+Owns: reading the model's config.json through transformers' Auto classes (with the model.kwargs
+options), building the model (stage 3: inside deepspeed.zero.Init, weights copied into the partitions
+one tensor at a time by dstrain.models.weights, so no rank holds the whole model; stages 0-2:
+transformers' own from_pretrained), LoRA adapters through peft, the `CausalLM` wrapper whose
+forward(batch) returns the loss (dstrain's model protocol), the checks `--dry-run` makes (config.json
+present, architecture known, tokenizer fits the embedding), and the copy of config/tokenizer files
+into the run directory that `convert-checkpoint --format hf` reads.
+
+transformers and peft are optional (the `hf` extra): without them a clear UserError says so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dstrain.config.schema import LoraConfig, RunConfig
+from dstrain.rundir import HF_SOURCE
+from dstrain.errors import UserError, require_package
+
+PREFIX = "hf:"
+WRAPPER_PREFIX = "model."  # CausalLM keeps the Hugging Face model as `self.model`
+PEFT_PREFIX = "base_model.model."  # peft's PeftModel -> LoraModel -> the Hugging Face model
+# Passed to the model's construction; every other model.kwargs key goes to its config.
+MODEL_KWARGS = ("dtype", "attn_implementation")
+LOAD_KWARGS = ("trust_remote_code", "revision")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.txt",
+                   "spiece.model")
+
+
+def is_hf(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def source_of(config: RunConfig) -> str:
+    return config.model.name[len(PREFIX):]
+
+
+def where(config: RunConfig) -> str:
+    return f"model.name: {config.model.name}"
+
+
+def require(package: str, key: str):
+    """Import transformers or peft, or a UserError saying how to install them."""
+    return require_package(package, key, "hf")
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face causal LM under dstrain's protocol: forward(batch) returns the mean LM loss.
+
+    A batch is (inputs, targets) with targets already shifted by one (dstrain's samplers) and -100
+    where no loss is taken, or a dict of the model's own keyword arguments (input_ids, attention_mask,
+    labels in Hugging Face's unshifted convention), whose `loss` is returned.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch) -> torch.Tensor:
+        if isinstance(batch, dict):
+            return self.model(**batch).loss
+        inputs, targets = batch
+        logits = self.model(input_ids=inputs, use_cache=False).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def enable_checkpointing(self, _checkpoint_fn: Callable) -> None:
+        """Activation checkpointing through transformers' own per-layer mechanism."""
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def flops_per_token(model: CausalLM, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token, as for the built-in GPT: 6 x the parameters used in matrix products
+    (the input embedding is a lookup; a tied output head is a product) + 12 x layers x width x sequence
+    for attention. Frozen weights (LoRA) are counted as trained: an upper bound of the work done."""
+    config = model.model.config
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    embedding = model.model.get_input_embeddings().weight
+    lookup = 0 if getattr(config, "tie_word_embeddings", False) else getattr(embedding, "ds_numel", embedding.numel())
+    return 6.0 * (n_params - lookup) + 12.0 * layers * width * seq_len
+
+
+def own_name(name: str) -> str:
+    """A parameter's name inside the Hugging Face model (dstrain's and peft's wrappers removed)."""
+    return name.removeprefix(WRAPPER_PREFIX).removeprefix(PEFT_PREFIX)
+
+
+# ------------------------------------------------------------------ config
+
+
+def _split_kwargs(config: RunConfig) -> tuple[dict, dict, dict]:
+    """model.kwargs as (construction kwargs, loading kwargs, config overrides)."""
+    kwargs = dict(config.model.kwargs)
+    dtype = kwargs.pop("dtype", "float32")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise UserError.single(f"unknown dtype {dtype!r}", "model.kwargs.dtype",
+                               "use float32, bfloat16, float16 or auto (the dtype config.json names)")
+    build = {"dtype": dtype if dtype == "auto" else DTYPES[dtype]}
+    if "attn_implementation" in kwargs:
+        build["attn_implementation"] = kwargs.pop("attn_implementation")
+    load = {"trust_remote_code": bool(kwargs.pop("trust_remote_code", False))}
+    if "revision" in kwargs:
+        load["revision"] = kwargs.pop("revision")
+    return build, load, kwargs
+
+
+def load_config(config: RunConfig):
+    """The model's transformers config (config.json), with model.kwargs overrides applied."""
+    transformers = require("transformers", where(config))
+    source = source_of(config)
+    _, load, overrides = _split_kwargs(config)
+    local = Path(source)
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise UserError.single(f"{local} has no config.json", where(config),
+                               "name a directory written by save_pretrained (config.json and *.safetensors)")
+    if not local.is_dir() and (source.startswith((".", "/", "~")) or local.exists()):
+        raise UserError.single(f"{source} is not a directory", where(config),
+                               "name a local model directory or a Hugging Face hub id such as 'gpt2'")
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(source, **load)
+    except Exception as err:  # noqa: BLE001 - a config that does not load is the user's input
+        raise UserError.single(f"transformers cannot read the model's config: {type(err).__name__}: "
+                               f"{str(err).splitlines()[0]}", f"{_config_file(source)}: model_type",
+                               "use a model type this transformers version knows (upgrade transformers), "
+                               "or set model.kwargs.trust_remote_code=true for a model with its own code") from None
+    unknown = [key for key in overrides if not hasattr(hf_config, key)]
+    if unknown:
+        raise UserError.single(f"{', '.join(unknown)}: not an option dstrain knows nor a key of config.json",
+                               "model.kwargs", f"use dtype, attn_implementation, trust_remote_code, revision or "
+                               f"a key of {_config_file(source)}")
+    for key, value in overrides.items():
+        setattr(hf_config, key, value)
+    return hf_config
+
+
+def _config_file(source: str) -> str:
+    return str(Path(source) / "config.json") if Path(source).is_dir() else f"{source} (hub): config.json"
+
+
+def _from_config(config: RunConfig, hf_config) -> nn.Module:
+    transformers = require("transformers", where(config))
+    build, load, _ = _split_kwargs(config)
+    if build["dtype"] == "auto":
+        build["dtype"] = getattr(hf_config, "dtype", None) or torch.float32
+    try:
+        return transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=load["trust_remote_code"],
+                                                             **build)
+    except ValueError as err:
+        raise UserError.single(f"not a causal language model transformers can build: {str(err).splitlines()[0]}",
+                               f"{_config_file(source_of(config))}: architectures",
+                               "name a causal LM (Llama, Qwen, Mistral, GPT-2, ...) in model.name") from None
+
+
+# ------------------------------------------------------------------ building
+
+
+def block_class(model: nn.Module) -> str | None:
+    """The qualified class name of the model's repeated block: the module transformers never splits
+    across devices (`_no_split_modules`, e.g. LlamaDecoderLayer); None when the model names none."""
+    names = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
+    block = next((type(m) for m in model.modules() if type(m).__name__ in names), None)
+    return f"{block.__module__}.{block.__qualname__}" if block else None
+
+
+def skeleton_builder(config: RunConfig) -> Callable[[], nn.Module]:
+    """Builds the model with random weights (and its adapters): for counting on the meta device."""
+    hf_config = load_config(config)
+    return lambda: CausalLM(apply_lora(_from_config(config, hf_config), config.model.lora))
+
+
+def build_pretrained(config: RunConfig, ds_config: dict, device: torch.device) -> CausalLM:
+    """The model with its pretrained weights, where it will train (see the module docstring)."""
+    hf_config = load_config(config)
+    if (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+        model = _build_zero3(config, ds_config, hf_config)
+    else:
+        transformers = require("transformers", where(config))
+        transformers.utils.logging.disable_progress_bar()  # one bar per rank says nothing
+        build, load, _ = _split_kwargs(config)
+        try:
+            with torch.device(device):
+                model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                    source_of(config), config=hf_config, output_loading_info=True, **build, **load)
+        except (OSError, RuntimeError, ValueError) as err:  # unreadable or mismatched weight files
+            raise UserError.single(f"transformers cannot load the weights: {type(err).__name__}: "
+                                   f"{str(err).strip().splitlines()[0]}", where(config),
+                                   "check that the folder holds the weights of the model its config.json "
+                                   "describes (save_pretrained writes both)") from None
+        _raise_if_not_loaded(config, {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys",
+                                                                                     "mismatched_keys")})
+    return CausalLM(apply_lora(model, config.model.lora))
+
+
+def _build_zero3(config: RunConfig, ds_config: dict, hf_config) -> nn.Module:
+    import deepspeed
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+
+    from dstrain.models.weights import load_into, raise_if_incomplete
+    with deepspeed.zero.Init(config_dict_or_path=ds_config), no_init_weights():  # every weight is loaded next
+        model = _from_config(config, hf_config)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # skipped with the initialisation; tied models need it (Gemma, OPT)
+    name_for_key = _key_renamer(model)
+    report = load_into(model, weight_files(config), name_for_key, zero3=True,
+                       ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or [],
+                       ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    raise_if_incomplete(report, where(config), "the weights do not fit config.json's architecture: check that "
+                        "config.json and the weight files come from the same model")
+    return model
+
+
+def _key_renamer(model: nn.Module) -> Callable[[str, set[str]], str | None]:
+    """Checkpoint key -> the model's name: transformers' own renamings for the architecture where it has
+    them (transformers 5: e.g. GPT-NeoX's embed_out -> lm_head), and the base-model prefix added or
+    removed (checkpoints of the bare base model). Keys transformers would fuse or split (some MoE
+    layouts) match nothing here: they are reported, and such models load at stages 0-2."""
+    prefix = getattr(model, "base_model_prefix", "")
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        mapping = get_model_conversion_mapping(model)
+    except (ImportError, AttributeError, TypeError):  # transformers 4.x: names are used as they are
+        mapping, rename_source_key = [], None
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+
+    def name_for_key(key: str, names: set[str]) -> str | None:
+        if rename_source_key is not None:
+            renamed, converter = rename_source_key(key, renamings, converters, prefix or None, dict.fromkeys(names, True))
+            if converter is None and renamed in names:
+                return renamed
+            if converter is not None:
+                return None
+        for candidate in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")):
+            if candidate in names:
+                return candidate
+        return None
+    return name_for_key
+
+
+def _raise_if_not_loaded(config: RunConfig, info: dict[str, list]) -> None:
+    from dstrain.models.weights import LoadReport, raise_if_incomplete
+    report = LoadReport(missing=list(info.get("missing_keys", [])), unexpected=list(info.get("unexpected_keys", [])),
+                        mismatched=[str(m) for m in info.get("mismatched_keys", [])])
+    raise_if_incomplete(report, where(config), "the weights do not fit config.json's architecture: check that "
+                        "config.json and the weight files come from the same model")
+
+
+def weight_files(config: RunConfig) -> list[Path]:
+    """The model's weight files, safetensors preferred (shards in index order), downloaded for a hub id."""
+    source = source_of(config)
+    directory = Path(source)
+    if not directory.is_dir():
+        hub = require("huggingface_hub", where(config))
+        _, load, _ = _split_kwargs(config)
+        directory = Path(hub.snapshot_download(source, revision=load.get("revision"),
+                                               allow_patterns=["*.json", "*.safetensors"]))
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = directory / index_name
+        if index.is_file():
+            shards = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
+            return [directory / name for name in shards]
+        if (directory / single).is_file():
+            return [directory / single]
+    raise UserError.single(f"no weights in {directory} (model.safetensors, its shards with "
+                           "model.safetensors.index.json, or pytorch_model.bin)", where(config),
+                           "save the model with save_pretrained into that directory")
+
+
+# ------------------------------------------------------------------ LoRA
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig | None) -> nn.Module:
+    """The model with LoRA adapters (peft), base weights frozen; unchanged without model.lora."""
+    if lora is None:
+        return model
+    peft = require("peft", "model.lora")
+    peft_config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=lora.target_modules,
+                                  lora_dropout=lora.dropout, task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(model, peft_config)
+    except ValueError as err:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if type(module).__name__ in ("Linear", "Conv1D")})
+        raise UserError.single(f"peft cannot place the adapters: {str(err).splitlines()[0]}",
+                               "model.lora.target_modules",
+                               f"name modules the model has, e.g. among its linear layers: {', '.join(linear)}") from None
+
+
+def lora_layers(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """For every LoRA layer: its name inside the Hugging Face model, scaling and weight layout, which
+    merging on export needs (written to the run directory by rank 0)."""
+    layers = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "scaling") and "default" in module.scaling:
+            layers[own_name(name)] = {"scaling": float(module.scaling["default"]),
+                                      "fan_in_fan_out": bool(getattr(module, "fan_in_fan_out", False))}
+    return layers
+
+
+# ------------------------------------------------------------------ checks and run directory
+
+
+def check_vocab(config: RunConfig, hf_config) -> None:
+    """The tokenizer's ids must fit the model's embedding; checked before any rank starts."""
+    from dstrain.data import data_config
+    vocab = getattr(hf_config, "vocab_size", None)
+    name = data_config(config).tokenizer  # unset: the model's own
+    if vocab is None or config.data.source in ("synthetic", "tokens") or ":" in config.data.source:
+        return
+    if name == "byte":
+        size = 256
+    else:
+        from dstrain.data.sources import load_tokenizer
+        size = len(load_tokenizer(name))
+    if size > vocab:
+        raise UserError.single(f"the tokenizer has {size} tokens but the model's embedding only {vocab}",
+                               f"data.tokenizer: {name}",
+                               f"use the model's own tokenizer (data.tokenizer: {source_of(config)}) or a model "
+                               f"with vocab_size >= {size} in {_config_file(source_of(config))}")
+
+
+def save_source(config: RunConfig, run_dir: Path) -> None:
+    """Copy config.json, generation_config.json, tokenizer files (and a remote-code model's .py files)
+    into <run_dir>/hf_source, plus the LoRA settings, for `convert-checkpoint --format hf`."""
+    target = run_dir / HF_SOURCE
+    target.mkdir(parents=True, exist_ok=True)
+    source = Path(source_of(config))
+    if source.is_dir():
+        for path in source.iterdir():
+            if path.is_file() and (path.name in ("config.json", "generation_config.json", *TOKENIZER_FILES)
+                                   or path.suffix == ".py"):
+                shutil.copyfile(path, target / path.name)
+    else:  # a hub id: the same files, through transformers (cached by huggingface_hub)
+        _save_from_hub(config, target)
+
+
+def _save_from_hub(config: RunConfig, target: Path) -> None:
+    transformers = require("transformers", where(config))
+    load_config(config).save_pretrained(target)
+    _, load, _ = _split_kwargs(config)
+    for cls in (transformers.GenerationConfig, transformers.AutoTokenizer):
+        try:
+            cls.from_pretrained(source_of(config), **load).save_pretrained(target)
+        except Exception:  # noqa: BLE001 - a model without a generation config or tokenizer exports without it
+            pass

@@ -1,0 +1,84 @@
+"""Evaluation inside the ranks: the held-out loss the train loop logs, and `dstrain eval`'s ranks.
+
+The launcher side of `dstrain eval` is dstrain/launcher/eval_job.py; it starts these ranks with
+`"mode": "eval"` in launch.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dstrain.config.schema import RunConfig
+from dstrain.data.sampler import to_device
+from dstrain.rank import heartbeat
+from dstrain.rundir import write_atomic
+
+
+def evaluate(engine, config: RunConfig, eval_sampler, device) -> float:
+    """Mean held-out loss over the first eval_batches x global_batch_size held-out samples.
+
+    The sample set depends on the global batch, not on the world size, so a run resumed with
+    another number of ranks (same global batch) evaluates the same samples; each rank takes a
+    contiguous share in micro batches."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = config.train.micro_batch_size
+    per_rank = config.train.eval_batches * config.train.global_batch_size // world
+    batches = per_rank // micro
+    engine.eval()
+    total = torch.zeros((), device=device)
+    with torch.no_grad():
+        for i in range(batches):
+            heartbeat.beat("eval")
+            batch = eval_sampler.batch(rank * per_rank + i * micro, micro)
+            total += engine(to_device(batch, device)).float()
+    engine.train()
+    dist.all_reduce(total)
+    return total.item() / (batches * world)
+
+
+def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
+    """One evaluation rank (called by dstrain.rank.worker for mode "eval"): build the model as the run
+    did, load the checkpoint's weights (not the optimizer), evaluate, rank 0 reports."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from dstrain.data import build_samplers
+    from dstrain.hangs import collective_timeout_s
+    from dstrain.models import build_model
+    from dstrain.rank.runtime import init_rank, quiet_logging, seed_everything
+
+    quiet_logging(launch["verbose"])
+    rank, world, device = init_rank(collective_timeout_s(launch.get("hang_timeout_s", 0)))
+    seed_everything(config.train.seed)
+
+    _, eval_sampler = build_samplers(config)
+    model = build_model(config, ds_config, device)
+    # The run's own DeepSpeed config, optimizer included: ZeRO keeps the fp32 weights in the
+    # optimizer's partitions, and loading them is what makes the evaluated weights the trained ones.
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    checkpoint = launch["resume"]
+    path, _ = engine.load_checkpoint(checkpoint["directory"], tag=checkpoint["tag"], load_optimizer_states=False,
+                                     load_lr_scheduler_states=False)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint['tag']} from {checkpoint['directory']}")
+
+    loss = evaluate(engine, config, eval_sampler, device)
+    if rank == 0:
+        t = config.train
+        samples = (t.eval_batches * t.global_batch_size // world // t.micro_batch_size) * t.micro_batch_size * world
+        result = {"step": checkpoint["step"], "tag": checkpoint["tag"], "eval_loss": loss,
+                  "perplexity": math.exp(loss) if loss < 700 else None,  # exp overflows: JSON has no inf
+                  "eval_batches": t.eval_batches, "samples": samples,  # as loop.evaluate counts them
+                  "world_size": world, "checkpoint": str(Path(checkpoint["directory"]) / checkpoint["tag"])}
+        write_atomic(Path(launch["output"]), json.dumps(result, indent=2) + "\n")
+        perplexity = f"{result['perplexity']:.3f}" if result["perplexity"] is not None else "overflow"
+        print(f"step {checkpoint['step']} ({checkpoint['tag']}): eval loss {loss:.4f}, perplexity {perplexity} "
+              f"over {result['samples']} held-out samples; written to {launch['output']}", flush=True)
+    dist.barrier()
+    return 0

@@ -1,0 +1,73 @@
+"""Set-up shared by every rank, training or evaluating: process group, device, seeds, logging,
+activation checkpointing. Runs inside the ranks only."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from datetime import timedelta
+
+
+def init_rank(collective_timeout_s: float | None = None):
+    """Join the process group; returns (rank, world size, this rank's device). `collective_timeout_s`
+    (dstrain.hangs.collective_timeout_s): how long any collective may wait before it fails."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from deepspeed.accelerator import get_accelerator
+
+    if collective_timeout_s:
+        timeout = timedelta(seconds=collective_timeout_s)
+        # Groups made later (the loop's gloo group, DeepSpeed's own) take torch's module default,
+        # not the world group's timeout: set both.
+        c10d.default_pg_timeout = timeout
+        if getattr(c10d, "default_pg_nccl_timeout", None) is not None:
+            c10d.default_pg_nccl_timeout = timeout
+        deepspeed.init_distributed(timeout=timeout)
+    else:
+        deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if get_accelerator().device_name() == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return rank, world, torch.device("cuda", local_rank)
+    return rank, world, torch.device("cpu")
+
+
+def quiet_logging(verbose: bool) -> None:
+    """DeepSpeed's own logging at warning level unless --verbose; known-harmless warnings hidden."""
+    if verbose:
+        return
+    from deepspeed.utils import logger as ds_logger
+    ds_logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*")
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initial weights (stage 0-2 ranks build the model alone)."""
+    import random
+    import numpy as np
+    import torch
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def enable_activation_checkpointing(model, ds_config: dict, rank: int) -> None:
+    import deepspeed
+    options = ds_config.get("activation_checkpointing") or {}
+    deepspeed.checkpointing.configure(
+        None, partition_activations=options.get("partition_activations", False),
+        contiguous_checkpointing=options.get("contiguous_memory_optimization", False),
+        num_checkpoints=options.get("number_checkpoints"), checkpoint_in_cpu=options.get("cpu_checkpointing", False),
+        synchronize=options.get("synchronize_checkpoint_boundary", False), profile=options.get("profile", False))
+    if hasattr(model, "enable_checkpointing"):
+        model.enable_checkpointing(deepspeed.checkpointing.checkpoint)
+    elif rank == 0:
+        print("warning: train.activation_checkpointing is on, but the model has no enable_checkpointing(fn) "
+              "method; it runs without checkpointing", file=sys.stderr)

@@ -1,0 +1,208 @@
+"""One rank of a run: `python -m dstrain.rank.worker RUN_DIR`, spawned by the deepspeed launcher.
+
+Everything the rank needs is in RUN_DIR (config.yaml, ds_config.json, launch.json), written by
+`dstrain run` before launching; nothing is passed as flags, since the deepspeed runner would
+parse abbreviated flags meant for us. Each rank records its pid and how it ended under
+RUN_DIR/ranks/, so `dstrain run` can name the rank that failed, and reports its progress there
+(dstrain/rank/heartbeat.py) for the hang watchdog.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from dstrain import rundir
+from dstrain.rank import heartbeat
+
+if __name__ == "__main__" and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    # Run as a file (DeepSpeed's slurm backend has no -m): dstrain/ itself must not shadow
+    # top-level modules, e.g. a user's `models` or `data` named in an entry point.
+    sys.path.pop(0)
+
+_IMPORTED = time.perf_counter()  # this module's import: the rank's start-up is measured from here
+# Ranks started by mpirun or srun learn RANK only inside deepspeed.init_distributed; the rank
+# records written before that read the launcher's own variable.
+_RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def _rank() -> int:
+    return int(next((os.environ[v] for v in _RANK_VARIABLES if v in os.environ), "0"))
+
+
+def record(run_dir: Path, name: str, text: str) -> None:
+    """Best effort: a full or vanished disk must not turn a rank's report into a second traceback."""
+    try:
+        directory = run_dir / rundir.RANKS
+        directory.mkdir(exist_ok=True)
+        (directory / f"rank{_rank()}.{name}").write_text(text)
+    except OSError as err:
+        print(f"rank {_rank()}: cannot record {name} under {run_dir / rundir.RANKS}: {err}", file=sys.stderr)
+
+
+def _catch_stop_signals() -> tuple[list[str], dict]:
+    """Note SIGTERM/SIGINT instead of dying until the train loop's handler takes over, so a stop
+    request that comes while torch is still importing is not lost. Returns (caught, previous handlers)."""
+    caught: list[str] = []
+
+    def note(signum, _frame):
+        caught.append(signal.Signals(signum).name)
+    return caught, {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
+
+
+
+
+
+
+def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
+    config, ds_config, launch = rundir.read(run_dir)
+    if launch.get("mode") == "eval":  # `dstrain eval` (launch.json of training runs has no mode)
+        for sig in previous_handlers:  # nothing to save: a stop request (SIGINT too) ends it, no traceback
+            signal.signal(sig, signal.SIG_DFL)
+        if caught:
+            signal.raise_signal(signal.Signals[caught[0]])
+        from dstrain.rank.evaluation import rank_eval
+        return rank_eval(run_dir, config, ds_config, launch)
+    from dstrain.rank.loop import StopRequest
+    stop = StopRequest()
+    stop.install()  # before the slow start-up, so an early SIGTERM is not lost
+    if caught:
+        stop.signal_name = caught[0]
+    return train_rank(run_dir, config, ds_config, launch, stop)
+
+
+def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> int:
+    """Build the engine, restore the checkpoint to resume, train, export."""
+    import torch.distributed as dist
+
+    from dstrain.data import build_samplers
+    from dstrain.hangs import collective_timeout_s
+    from dstrain.models import flops_per_token
+    from dstrain.rank.checkpointing import export_final
+    from dstrain.rank.loop import train
+    from dstrain.rank.metrics import MetricsLog
+    from dstrain.rank.runtime import init_rank, quiet_logging, seed_everything
+
+    quiet_logging(launch["verbose"])
+    rank, world, device = init_rank(collective_timeout_s(launch.get("hang_timeout_s", 0)))
+    seed_everything(config.train.seed)
+    started = time.perf_counter()
+    train_sampler, eval_sampler = build_samplers(config)
+    data_ready = time.perf_counter()
+    engine, model = _build_engine(config, ds_config, device, rank)
+    engine_ready = time.perf_counter()
+    if config.model.lora is not None and rank == 0:
+        _record_lora_layers(run_dir, model)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    resume = launch.get("resume")
+    restored = _restore(engine, resume, rank, world) if resume else None
+    start_step = int(restored["step"]) if restored else 0
+
+    tokens_per_step = config.train.global_batch_size * config.data.seq_len
+    flops = flops_per_token(model, config, n_params)
+    trackers = []
+    if rank == 0 and config.train.log_to:
+        from dstrain.rank.trackers import open_trackers, run_hparams
+        trackers = open_trackers(config.train.log_to, run_dir, run_hparams(config, ds_config, world), start_step)
+    metrics = MetricsLog(run_dir, rank == 0, config.train.max_steps, tokens_per_step, flops, world, device, trackers)
+    if rank == 0:  # the full plan was printed by `dstrain run` before the ranks started
+        metrics.console.print(f"rank 0: {world} ranks up, model {n_params:,} parameters", soft_wrap=True)
+        if resume:
+            metrics.console.print(f"resumed from {resume['tag']} at step {start_step}")
+        now = time.perf_counter()
+        metrics.console.print(f"[dim]ready in {now - started:.1f} s (data {data_ready - started:.1f} s, model and "
+                              f"engine {engine_ready - data_ready:.1f} s; {started - _IMPORTED:.1f} s of imports and "
+                              f"process group before; {now - _IMPORTED:.1f} s since the rank started)[/]",
+                              soft_wrap=True)
+
+    def client_state(step: int) -> dict:
+        return {"step": step, "samples_seen": step * config.train.global_batch_size, "world_size": world,
+                "config_hash": launch.get("config_hash"), "dstrain_version": launch.get("dstrain_version")}
+
+    # Everything built so far (torch, DeepSpeed, the model, the engine) lives until the end: move it
+    # out of the garbage collector's reach, so its periodic full passes stay short (docs/benchmarks.md).
+    gc.collect()
+    gc.freeze()
+    state = train(engine, config, run_dir, train_sampler, eval_sampler, start_step, metrics, device,
+                  client_state, stop, restored)
+    if config.train.export_final and state.stopped_by is None and rank == 0:
+        heartbeat.beat("save")
+        export_final(run_dir, state.step, launch, config.train.export_final, config.train.export_dtype)
+    dist.barrier()
+    return 0
+
+
+def _build_engine(config, ds_config: dict, device, rank: int):
+    """(DeepSpeed engine, the model it wraps), activation checkpointing and compiling as configured."""
+    import deepspeed
+
+    from dstrain.config.resolve import redact
+    from dstrain.models import build_model
+    from dstrain.rank.runtime import enable_activation_checkpointing
+
+    model = build_model(config, ds_config, device)
+    if config.train.activation_checkpointing:
+        enable_activation_checkpointing(model, ds_config, rank)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
+    if config.train.compile:
+        engine.compile()
+    return engine, model
+
+
+def _record_lora_layers(run_dir: Path, model) -> None:
+    """Each LoRA layer's scaling and layout, which `convert-checkpoint --format hf` needs to merge."""
+    import json
+
+    from dstrain.models import hf
+    rundir.write_atomic(run_dir / rundir.HF_SOURCE / rundir.HF_LORA, json.dumps(hf.lora_layers(model), indent=1))
+
+
+def _restore(engine, resume: dict, rank: int, world: int) -> dict:
+    """Load the checkpoint launch.json names (model, optimizer, scheduler, RNG); returns its client state."""
+    from dstrain.rank.checkpointing import load
+    return load(engine, resume["directory"], resume["tag"], rank, world)
+
+
+def main(argv: list[str]) -> int:
+    positional = [a for a in argv if not a.startswith("--")]
+    if not positional:
+        print("usage: python -m dstrain.rank.worker RUN_DIR (started by `dstrain run`)", file=sys.stderr)
+        return 2
+    run_dir = Path(positional[0])
+    caught, previous_handlers = _catch_stop_signals()  # before the pid is published: `dstrain run` signals it
+    record(run_dir, "pid", str(os.getpid()))
+    try:
+        heartbeat.start(run_dir, _rank())
+    except OSError as err:  # best effort, like the records: no hang detection for this rank
+        print(f"rank {_rank()}: cannot write its heartbeat under {run_dir / rundir.RANKS}: {err}", file=sys.stderr)
+    from dstrain.errors import UserError
+    from dstrain.rank.health import RunUnhealthy
+    try:
+        code = run(run_dir, caught, previous_handlers)
+        record(run_dir, "exit", "ok")
+        return code
+    except UserError as err:
+        print(f"rank {_rank()}: error: {err}", file=sys.stderr)
+        record(run_dir, "exit", f"error: {err}")
+        return 2
+    except RunUnhealthy as err:  # rank 0 has printed the report
+        record(run_dir, "exit", err.summary)
+        return 1
+    except BaseException as err:  # noqa: BLE001 - report which rank failed and why, then fail
+        traceback.print_exc()
+        print(f"rank {_rank()} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        record(run_dir, "exit", "failed: " + "".join(traceback.format_exception_only(type(err), err)).strip())
+        return 1
+    finally:
+        heartbeat.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,63 @@
+"""The run directory: the only thing that crosses from the `dstrain` command to its ranks.
+
+`dstrain run` (dstrain/launcher/) writes CONFIG, DS_CONFIG, LAUNCH and, when the DeepSpeed config
+holds secrets, SECRETS; every rank (dstrain/rank/) reads them back with `read` and writes its pid
+and exit record, heartbeat and stack dump under RANKS, the metrics to METRICS and checkpoints under CHECKPOINTS. No flags and
+no pickles cross the boundary: the deepspeed runner would parse flags meant for us, and files are
+what a user can read, copy and resume from. This module owns the names and the atomic write; it
+imports neither torch nor DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+CONFIG = "config.yaml"            # the resolved dstrain config (secrets redacted)
+DS_CONFIG = "ds_config.json"      # exactly what deepspeed.initialize gets (secrets redacted)
+LAUNCH = "launch.json"            # world size, accelerator, resume target, mode ("eval" for dstrain eval)
+SECRETS = ".secrets.json"         # 0600: the redacted values, key path -> value
+RANKS = "ranks"                   # rank<R>.pid/.exit records, .beat heartbeats, .stack dumps
+METRICS = "metrics.jsonl"         # one JSON object per logged step or event
+CHECKPOINTS = "checkpoints"       # one folder per tag (see dstrain/checkpoints.py)
+TENSORBOARD = "tensorboard"       # train.log_to tensorboard: event files
+WANDB = "wandb"                   # train.log_to wandb: W&B's run files (offline runs too) and our run id
+CSV = "metrics.csv"               # train.log_to csv: one row per logged step, evaluation or event
+HEALTH = "health.json"            # the run health guard's rollbacks and skipped data steps (rank 0)
+LOCK = "run.lock"                 # held (flock) by the job that owns the directory; its host, pid, command inside
+HF_SOURCE = "hf_source"           # an hf: model's config.json, tokenizer files, LoRA layers (for --format hf)
+HF_LORA = "dstrain_lora.json"     # in HF_SOURCE: each LoRA layer's scaling and layout (written by rank 0)
+RUN_FILES = (CONFIG, DS_CONFIG, LAUNCH)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and rename, so readers see the old or the new content, never half."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def missing_files(run_dir: Path) -> list[str]:
+    """The run files a rank or `dstrain eval` needs that `run_dir` lacks."""
+    return [name for name in RUN_FILES if not (run_dir / name).is_file()]
+
+
+def read(run_dir: Path) -> tuple[Any, dict, dict]:
+    """(RunConfig, DeepSpeed config with its secrets restored, launch info) as a rank needs them."""
+    import yaml
+
+    from dstrain.config.layers import set_path
+    from dstrain.config.schema import RunConfig
+    config = RunConfig.model_validate(yaml.safe_load((run_dir / CONFIG).read_text()))
+    ds_config = json.loads((run_dir / DS_CONFIG).read_text())
+    secrets_file = run_dir / SECRETS
+    if secrets_file.exists():  # secrets are kept out of the readable config files
+        for path, value in json.loads(secrets_file.read_text()).items():
+            set_path(ds_config, path, value)
+    launch = json.loads((run_dir / LAUNCH).read_text())
+    return config, ds_config, launch

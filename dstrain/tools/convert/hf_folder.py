@@ -1,0 +1,265 @@
+"""`convert-checkpoint --format hf` and `train.export_final: hf`: a folder that transformers'
+`AutoModelForCausalLM.from_pretrained` loads.
+
+The checkpoint is first consolidated to one fp32 safetensors file by the ordinary streaming converter
+(bounded RAM), inside a temporary folder next to OUTPUT. Its keys are then renamed to the model's own
+(dstrain's `model.` wrapper and peft's `base_model.model.` removed), LoRA adapters are merged into
+their base weights (W + scaling * B @ A), tied copies are dropped as save_pretrained drops them, and
+the tensors are written block by block, cast to the asked dtype, into safetensors shards with
+model.safetensors.index.json. config.json (its dtype set), generation_config.json and the tokenizer
+files come from the run directory's hf_source/, which `dstrain run` copied from the model at launch.
+The folder is renamed into place at the end, so a failure leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from dstrain.errors import UserError
+from dstrain.rundir import HF_LORA, HF_SOURCE
+from dstrain.tools.convert.formats import BLOCK_ELEMENTS, DTYPES, SAFETENSORS_DTYPES, parse_size
+from dstrain.tools.convert.plan import Tensor, split_into_shards
+from dstrain.tools.convert.writer import safetensors_header
+
+DEFAULT_SHARD_SIZE = "5GB"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+WRAPPER_PREFIXES = ("model.", "base_model.model.")  # dstrain's CausalLM, then peft's PeftModel/LoraModel
+COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+          "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+          "chat_template.json", "vocab.txt", "spiece.model")
+
+
+@dataclass
+class HfExport:
+    """What `export_hf_folder` wrote."""
+
+    folder: Path
+    files: list[str]
+    num_tensors: int
+    merged_lora: int  # base weights with an adapter merged in
+    dtype: str
+    tag: str
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [f"wrote {self.folder} ({self.num_tensors} tensors in {self.dtype}, {len(self.files)} weight file(s), "
+                 f"from {self.tag}" + (f", {self.merged_lora} LoRA adapters merged" if self.merged_lora else "") + ")",
+                 f"load it with: AutoModelForCausalLM.from_pretrained({str(self.folder)!r})"]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+@dataclass
+class _Out:
+    """One output tensor and how to compute it from the consolidated file."""
+
+    tensor: Tensor
+    base: str  # key in the consolidated file
+    lora: dict | None = None  # {"a": key, "b": key, "scaling": float, "fan_in_fan_out": bool}
+
+
+def find_source(checkpoint_dir: Path, source: Path | None) -> Path:
+    """The folder holding config.json and the tokenizer: SOURCE, or the run directory's hf_source/."""
+    if source is not None:
+        candidates = [Path(source)]
+    else:
+        start = Path(checkpoint_dir).resolve()
+        candidates = [parent / HF_SOURCE for parent in (start, start.parent, start.parent.parent)]
+    for candidate in candidates:
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise UserError.single(f"no config.json for --format hf (looked in {', '.join(str(c) for c in candidates)})",
+                           str(checkpoint_dir), "--format hf needs a run of an \"hf:\" model (its run directory "
+                           "holds hf_source/), or pass --hf-source DIR with the model's config.json and tokenizer")
+
+
+def export_hf_folder(checkpoint_dir: Path, output: Path, *, tag: str | None = None, dtype: str = "fp32",
+                     max_shard_size: str | int | None = None, force: bool = False,
+                     source: Path | None = None) -> HfExport:
+    """Write CHECKPOINT_DIR's weights as a Hugging Face model folder OUTPUT (see the module docstring)."""
+    from dstrain.tools.convert import convert_checkpoint
+
+    source_dir = find_source(checkpoint_dir, source)
+    with _staging(output, dtype, force) as temp:
+        consolidated = temp / "consolidated.safetensors"
+        report = convert_checkpoint(checkpoint_dir, consolidated, tag=tag, dtype="fp32")
+        export = write_folder(consolidated, source_dir, temp, dtype, max_shard_size)
+        consolidated.unlink()
+    export.folder, export.tag, export.notes = Path(output), report.tag, report.notes + export.notes
+    return export
+
+
+def folder_from_weights(weights: Path, source_dir: Path, output: Path, *, dtype: str = "fp32",
+                        max_shard_size: str | int | None = None, force: bool = False) -> HfExport:
+    """The same from a consolidated .safetensors (as convert-checkpoint writes it: the model's state_dict keys)."""
+    with _staging(output, dtype, force) as temp:
+        export = write_folder(Path(weights), Path(source_dir), temp, dtype, max_shard_size)
+    export.folder = Path(output)
+    return export
+
+
+@contextmanager
+def _staging(output: Path, dtype: str, force: bool) -> Iterator[Path]:
+    """A temporary folder next to OUTPUT, renamed to OUTPUT when the block succeeds, removed in any case."""
+    if dtype not in DTYPES:
+        raise UserError.single(f"unknown dtype {dtype!r}", "--dtype", f"use one of: {', '.join(DTYPES)}")
+    output = Path(output)
+    if output.exists() and not (force and output.is_dir()):
+        raise UserError.single("already exists", str(output), "choose another OUTPUT folder, or pass --force "
+                               "to replace a folder" if output.is_dir() else "choose another OUTPUT folder")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    temp = output.with_name(f".{output.name}.{secrets.token_hex(4)}.tmp")
+    temp.mkdir()
+    try:
+        yield temp
+        _replace(temp, output)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def write_folder(weights: Path, source_dir: Path, folder: Path, dtype: str,
+                 max_shard_size: str | int | None) -> HfExport:
+    """Fill FOLDER from the consolidated WEIGHTS and SOURCE_DIR's config, tokenizer and LoRA layers."""
+    limit = parse_size(max_shard_size or DEFAULT_SHARD_SIZE)
+    lora = json.loads((source_dir / HF_LORA).read_text()) if (source_dir / HF_LORA).is_file() else {}
+    outs, notes = _plan(weights, lora, DTYPES[dtype], source_dir)
+    files = _write_shards(weights, outs, split_into_shards([o.tensor for o in outs], limit), folder)
+    _copy_model_files(source_dir, folder, dtype)
+    return HfExport(folder, files, len(outs), sum(1 for o in outs if o.lora), dtype, weights.name, notes)
+
+
+def own_key(key: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        key = key.removeprefix(prefix)
+    return key
+
+
+def _plan(consolidated: Path, lora: dict[str, dict], dtype: torch.dtype, source_dir: Path) -> tuple[list[_Out], list[str]]:
+    """The output tensors: model names, LoRA merged, tied copies dropped; checked against config.json's model."""
+    from safetensors import safe_open
+
+    stored_dtypes = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+    with safe_open(str(consolidated), framework="pt") as handle:
+        shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+        stored = {key: stored_dtypes[handle.get_slice(key).get_dtype()] for key in handle.keys()}
+    by_name = {own_key(k): k for k in shapes}
+    outs = []
+    for name, key in by_name.items():
+        if ".lora_" in name:
+            continue  # merged into its base weight below
+        entry = None
+        module, _, leaf = name.rpartition(".base_layer.")
+        if module and module in lora:
+            if leaf == "weight":
+                entry = {"a": by_name[f"{module}.lora_A.default.weight"], "b": by_name[f"{module}.lora_B.default.weight"],
+                         **lora[module]}
+            name = f"{module}.{leaf}"
+        out_dtype = dtype if stored[key].is_floating_point else stored[key]  # integer buffers keep theirs
+        outs.append(_Out(Tensor(name, name, shapes[key], out_dtype, True), key, entry))
+    notes = _match_model(outs, source_dir)
+    return outs, notes
+
+
+def _match_model(outs: list[_Out], source_dir: Path) -> list[str]:
+    """Drop tied copies and check the names against the model config.json describes (built on the meta
+    device), so from_pretrained finds every weight and no stray one."""
+    try:
+        import transformers
+        config = transformers.AutoConfig.from_pretrained(source_dir)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as err:  # noqa: BLE001 - e.g. a remote-code model: export by name, unchecked
+        return [f"names not checked against the model ({type(err).__name__}: {str(err).splitlines()[0]})"]
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    tied = {name for names in aliases.values() for name in names[1:]}
+    expected = set(model.state_dict().keys())
+    have = {o.tensor.name for o in outs}
+    outs[:] = [o for o in outs if not (o.tensor.name in tied and any(n in have for n in _aliases_of(o.tensor.name, aliases)))]
+    names = {o.tensor.name for o in outs}
+    unexpected = sorted(names - expected)
+    missing = sorted(n for n in expected - names if n not in tied)
+    if unexpected or missing:
+        raise UserError.single(f"the checkpoint's weights do not fit {source_dir / 'config.json'}: "
+                               f"missing {missing[:8]}, unexpected {unexpected[:8]}", str(source_dir),
+                               "export with the hf_source/ of the run that saved this checkpoint (--hf-source)")
+    return []
+
+
+def _aliases_of(name: str, aliases: dict[int, list[str]]) -> list[str]:
+    return next(([n for n in names if n != name] for names in aliases.values() if name in names), [])
+
+
+def _value_blocks(handle, out: _Out) -> Iterator[torch.Tensor]:
+    """The output tensor's values, flat, in blocks of about BLOCK_ELEMENTS (merged ones whole)."""
+    if out.lora:
+        base = handle.get_tensor(out.base)
+        delta = handle.get_tensor(out.lora["b"]) @ handle.get_tensor(out.lora["a"])
+        if out.lora["fan_in_fan_out"]:
+            delta = delta.T
+        yield (base + out.lora["scaling"] * delta).reshape(-1)
+        return
+    shape = out.tensor.shape
+    if len(shape) == 0:
+        yield handle.get_tensor(out.base).reshape(-1)
+        return
+    row = max(1, out.tensor.numel // max(shape[0], 1))
+    step = max(1, BLOCK_ELEMENTS // row)
+    sliced = handle.get_slice(out.base)
+    for start in range(0, shape[0], step):
+        yield sliced[start:start + step].reshape(-1)
+
+
+def _write_shards(consolidated: Path, outs: list[_Out], shards: list[list[Tensor]], folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    by_name = {o.tensor.name: o for o in outs}
+    names = [WEIGHTS] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                                                for i in range(1, len(shards) + 1)]
+    with ExitStack() as stack:
+        handle = stack.enter_context(safe_open(str(consolidated), framework="pt"))
+        for shard, file_name in zip(shards, names):
+            with open(folder / file_name, "wb") as file:
+                file.write(safetensors_header(shard, {"format": "pt"}))
+                for tensor in shard:
+                    for block in _value_blocks(handle, by_name[tensor.name]):
+                        file.write(block.to(tensor.dtype).contiguous().view(torch.uint8).numpy().tobytes())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in (o.tensor for o in outs))},
+                 "weight_map": {t.name: n for shard, n in zip(shards, names) for t in shard}}
+        (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def _copy_model_files(source_dir: Path, folder: Path, dtype: str) -> None:
+    """config.json with the export's dtype, and the generation config, tokenizer and code files as they are."""
+    config = json.loads((source_dir / "config.json").read_text())
+    config["dtype"] = HF_DTYPE_NAMES[dtype]
+    if "torch_dtype" in config:
+        config["torch_dtype"] = HF_DTYPE_NAMES[dtype]
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for path in source_dir.iterdir():
+        if path.is_file() and (path.name in COPIED or path.suffix == ".py"):
+            shutil.copyfile(path, folder / path.name)
+
+
+def _replace(temp: Path, output: Path) -> None:
+    """Move the finished folder into place; an existing OUTPUT (with --force) goes only after that works."""
+    if output.exists():
+        old = output.with_name(f".{output.name}.{secrets.token_hex(4)}.old")
+        output.rename(old)
+        temp.rename(output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        temp.rename(output)
+

@@ -1,0 +1,60 @@
+"""Facts the speed work relies on: the FLOPs count behind TFLOP/s and MFU, the GPU peak table, the
+ZeRO-3 fetch unit dstrain renders for the built-in GPT, and a pre-launch model count that stays cheap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dstrain.config.resolve import GPT_ZERO3_LEAF, resolve
+from dstrain.hardware import dense_bf16_peak_tflops
+
+SMALL = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.vocab_size=256", "data.seq_len=32"]
+
+
+def test_flops_per_token_counts_the_tied_lm_head_as_a_matmul():
+    from dstrain.models.gpt import GPT, flops_per_token
+    layers, width, seq, vocab = 2, 64, 32, 256
+    n_params = sum(p.numel() for p in GPT(vocab, seq, width, layers, 2).parameters())  # tied head once
+    blocks = n_params - (vocab + seq) * width  # every block matrix and norm, no embedding
+    expected = 6.0 * (blocks + vocab * width) + 12.0 * layers * width * seq
+    assert flops_per_token(n_params, layers, width, seq, vocab) == expected
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0),
+                                        ("NVIDIA H100 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", 312.0)])
+def test_dense_bf16_peak_is_found_from_the_device_name(name, peak):
+    assert dense_bf16_peak_tflops(name) == peak
+
+
+def test_dense_bf16_peak_of_an_unknown_device_is_none():
+    assert dense_bf16_peak_tflops("CPU (2 cores)") is None
+
+
+def test_stage3_fetches_each_gpt_block_as_one_unit():
+    ds = resolve("stage3", None, SMALL, world_size=1, accelerator="cpu", env={}).ds_config
+    assert ds["zero_optimization"]["leaf_module"] == {"classes": [GPT_ZERO3_LEAF]}
+
+
+def test_the_leaf_class_name_is_the_built_in_gpt_block():
+    from dstrain.models.gpt import Block
+    assert GPT_ZERO3_LEAF == f"{Block.__module__}.{Block.__qualname__}"
+
+
+def test_a_user_leaf_setting_and_other_stages_are_left_alone():
+    mine = resolve("stage3", None, SMALL + ["deepspeed.zero_optimization.stage3_module_granularity_threshold=5000"],
+                   world_size=1, accelerator="cpu", env={}).ds_config["zero_optimization"]
+    assert "leaf_module" not in mine and mine["stage3_module_granularity_threshold"] == 5000
+    for preset in ("stage2", "stage3_nvme"):
+        ds = resolve(preset, None, SMALL, world_size=1, accelerator="cpu", env={}).ds_config
+        assert "leaf_module" not in ds["zero_optimization"], preset
+
+
+def test_counting_the_model_before_launch_does_not_import_torch_dynamo():
+    code = ("import sys; from dstrain.models import count_model; from dstrain.models.gpt import GPT; "
+            "print(count_model(lambda: GPT(256, 32, 64, 2, 2))[0], 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    from dstrain.models.gpt import GPT
+    assert out == [str(sum(p.numel() for p in GPT(256, 32, 64, 2, 2).parameters())), "False"]

@@ -1,0 +1,62 @@
+"""One real run (2 CPU ranks, the deepspeed launcher) with every tracker on: what reaches TensorBoard, the
+CSV and W&B (offline, when installed), the end-of-run summary and next commands, and `dstrain report`."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import re
+
+import pytest
+
+from launcher import assert_ok, dstrain, run_tiny
+
+pytestmark = pytest.mark.integration
+
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+
+
+def test_a_tracked_run_fills_tensorboard_csv_wandb_prints_its_summary_and_reports(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    trackers = "[tensorboard,csv,wandb]" if HAS_WANDB else "[tensorboard,csv]"
+    result = run_tiny(run_dir, "stage2", "train.max_steps=4", "train.log_every=2", "train.eval_every=4",
+                      "train.save_every=4", "train.warmup_steps=1", f"train.log_to={trackers}")
+    assert_ok(result)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "speed/tokens_per_s", "speed/tflops_per_device",
+                "speed/data_wait_ms", "speed/step_time_ms", "memory/host_rss_gib"):
+        assert [e.step for e in acc.Scalars(tag)] == [2, 4], tag
+    assert [e.step for e in acc.Scalars("eval/eval_loss")] == [4]
+    grad_norms = [e.value for e in acc.Scalars("train/grad_norm")]
+    assert all(math.isfinite(g) and g > 0 for g in grad_norms)  # ZeRO-2 keeps the norm before clipping
+
+    rows = list(csv.DictReader((run_dir / "metrics.csv").read_text().splitlines()))
+    train_rows = [r for r in rows if r["loss"]]
+    assert [r["step"] for r in train_rows] == ["2", "4"]
+    assert [float(r["grad_norm"]) for r in train_rows] == pytest.approx(grad_norms)
+    assert all(float(r["tokens_per_s"]) > 0 and float(r["host_rss_gib"]) > 0 for r in train_rows)
+    assert [r["step"] for r in rows if r["eval_loss"]] == ["4"]
+
+    if HAS_WANDB:
+        offline = list((run_dir / "wandb").glob("offline-run-*"))
+        assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
+
+    out = result.stdout
+    # Not a terminal: one plain line per log step instead of the bar, with the same facts and the ETA.
+    assert re.search(r"step 4/4  loss \d+\.\d{4}  lr \S+  gnorm \S+  [\d,]+ tok/s  .* eta 0m00s", out), out
+    assert "summary: 4 steps, wall time " in out and "rollbacks 0" in out
+    assert f"last complete checkpoint: {run_dir}/checkpoints/step00000004" in out
+    assert f"  dstrain eval --run-dir {run_dir} --accelerator cpu" in out
+    assert f"  dstrain convert-checkpoint {run_dir}/checkpoints {run_dir}/model.safetensors" in out
+    assert f"  dstrain report {run_dir} -o {run_dir}/report.html" in out
+
+    report = dstrain("report", str(run_dir))
+    assert report.returncode == 0, report.stderr
+    assert (run_dir / "report.html").is_file() and (run_dir / "report-grad_norm.png").is_file()
+    assert "step00000004" in report.stdout
