@@ -30,6 +30,7 @@ LOCK = "run.lock"                 # held (flock) by the job that owns the direct
 HF_SOURCE = "hf_source"           # an hf: model's config.json, tokenizer files, LoRA layers (for --format hf)
 HF_LORA = "dstrain_lora.json"     # in HF_SOURCE: each LoRA layer's scaling and layout (written by rank 0)
 RUN_FILES = (CONFIG, DS_CONFIG, LAUNCH)
+GAVE_UP = "run health gave up"    # how a rank's exit record starts when the run health guard gave up
 
 
 def write_atomic(path: Path, text: str) -> None:

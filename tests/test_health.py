@@ -23,7 +23,8 @@ from dstrain.cli import app
 from dstrain.data.sampler import DatasetSampler
 from dstrain.rank.cadence import EarlyStop, SaveClock
 from dstrain.rank.health import Detector, HealthState, data_step, rollback_target, samples_of
-from dstrain.rundir import CHECKPOINTS, HEALTH
+from dstrain.launcher.supervise import every_rank_gave_up
+from dstrain.rundir import CHECKPOINTS, GAVE_UP, HEALTH, RANKS
 from launcher import assert_ok, run_tiny
 
 USER_CODE = Path(__file__).parent / "user_code"
@@ -99,6 +100,21 @@ def test_a_resume_skips_what_the_checkpoint_and_health_json_recorded(tmp_path):
 
 
 # ------------------------------------------------------------------ rollback target and auto-resume
+
+def test_a_job_whose_ranks_all_gave_up_is_a_give_up_even_if_one_died_in_teardown(tmp_path):
+    # The launcher reports a rank that aborted after its report (exit -6) as a crash; dstrain run's
+    # exit code follows the ranks' records instead.
+    ranks = tmp_path / RANKS
+    ranks.mkdir()
+    for rank in (0, 1):
+        (ranks / f"rank{rank}.pid").write_text(str(1000 + rank))
+        (ranks / f"rank{rank}.exit").write_text(f"{GAVE_UP} at step 10: non-finite loss (inf) at step 9")
+    assert every_rank_gave_up(tmp_path)
+    (ranks / "rank1.exit").write_text("failed: RuntimeError: boom")
+    assert not every_rank_gave_up(tmp_path)
+    (ranks / "rank1.exit").unlink()  # killed before it could report
+    assert not every_rank_gave_up(tmp_path)
+
 
 def fabricate(checkpoints: Path, step: int, saved_at: float, world: int = 2, marked: bool = True) -> None:
     tag_dir = checkpoints / tag_for(step)

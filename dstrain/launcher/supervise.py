@@ -20,10 +20,11 @@ from pathlib import Path
 from rich.console import Console
 
 from dstrain.launcher.watchdog import Watchdog
-from dstrain.rundir import RANKS
+from dstrain.rundir import GAVE_UP, RANKS
 
 
 HUNG_EXIT = 1
+GAVE_UP_EXIT = 1  # the run health guard gave up (dstrain/rank/health.py)
 STOP_GRACE_S = 110  # a preempted job must be gone within 120 s; ranks get this long to save
 
 
@@ -172,6 +173,11 @@ def _job_exit_code(code: int, signum: int | None, saves: bool, run_dir: Path, al
         console.print("stopped cleanly after a checkpoint; continue with --resume latest" if saves
                       else "stopped cleanly (no checkpoint: train.save_checkpoints is false)")
         return 128 + signum
+    if code != 0 and every_rank_gave_up(run_dir):
+        # The guard's report is printed; a rank that then died in teardown must not turn "gave up"
+        # (exit 1, documented) into the launcher's code for a crash.
+        console.print("[bold red]training gave up[/] (run health; report above)")
+        return GAVE_UP_EXIT
     if code != 0:
         console.print(f"[bold red]training failed[/] (launcher exit code {code})")
         for line in failure_report(run_dir, alive):
@@ -179,3 +185,12 @@ def _job_exit_code(code: int, signum: int | None, saves: bool, run_dir: Path, al
         return code if code > 0 else 1
     return 0
 
+
+def every_rank_gave_up(run_dir: Path) -> bool:
+    """Whether every rank that started recorded the run health guard's give-up as its exit."""
+    directory = run_dir / RANKS
+    started = [p.with_suffix(".exit") for p in directory.glob("rank*.pid")]
+    try:
+        return bool(started) and all(p.read_text().startswith(GAVE_UP) for p in started)
+    except OSError:
+        return False

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 from dstrain.checkpoints import CompleteCheckpoint, complete_checkpoints
 from dstrain.rank.checkpointing import load
-from dstrain.rundir import CHECKPOINTS, HEALTH, write_atomic
+from dstrain.rundir import CHECKPOINTS, GAVE_UP, HEALTH, write_atomic
 
 
 class RunUnhealthy(Exception):
@@ -236,5 +236,5 @@ class Guard:
                                samples=[samples.start, samples.stop], rollbacks=len(self.state.rollbacks))
         if self.rank == 0:
             self.metrics.console.print("\n".join(lines), soft_wrap=True, markup=False)
-        raise RunUnhealthy("\n".join(lines), f"run health gave up at step {at_step}: {verdict.reason} at step "
+        raise RunUnhealthy("\n".join(lines), f"{GAVE_UP} at step {at_step}: {verdict.reason} at step "
                                              f"{verdict.step} (global samples {describe(samples)})")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dstrain.rank import checkpointing, heartbeat
 from dstrain.rank.cadence import EarlyStop, SaveClock
-from dstrain.rank.health import Guard, HealthState
+from dstrain.rank.health import Guard, HealthState, RunUnhealthy
 from dstrain.rank.evaluation import evaluate
 from dstrain.config.schema import RunConfig
 from dstrain.data.sampler import rank_batch, to_device
@@ -116,7 +116,14 @@ def train(engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler,
         verdict = guard.check() if logs or evals or saves else None
         if verdict is not None:  # nothing of the bad steps is logged, evaluated or saved
             heartbeat.beat("save")  # loading a checkpoint back: a save's allowance
-            state.step = guard.recover(engine, verdict, state.step)
+            try:
+                state.step = guard.recover(engine, verdict, state.step)
+            except RunUnhealthy:
+                # The stop vote cast above is still in flight: a process that exits with a gloo
+                # operation pending aborts in its destructor ("terminate called ..."), exit -6.
+                vote.result()
+                metrics.close()
+                raise
             metrics.rewind(state.step)  # trackers hide the steps trained again
             loss_sum.zero_()
             interval_start, interval_steps, data_s = time.perf_counter(), 0, 0.0

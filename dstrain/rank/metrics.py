@@ -190,12 +190,19 @@ class MetricsLog:
     def finish(self, state, saved_checkpoint: bool = True) -> None:
         if not self.enabled:
             return
-        if self.progress is not None:
-            self.progress.stop()
         self._write({"event": "run_end", "step": state.step, "stopped_by": state.stopped_by, "time": time.time()})
-        self._to_trackers("close")
+        self.close()
         if state.stopped_by:
             saved = ("checkpoint saved (continue with --resume latest)" if saved_checkpoint
                      else "no checkpoint saved (train.save_checkpoints is false)")
             self.console.print(f"stopped by {state.stopped_by} at step {state.step}; {saved}")
+
+    def close(self) -> None:
+        """Stop the progress bar and flush and close the trackers and metrics.jsonl (also when the run
+        gives up, so TensorBoard and W&B keep its last records)."""
+        if not self.enabled or self.file.closed:
+            return
+        if self.progress is not None:
+            self.progress.stop()
+        self._to_trackers("close")
         self.file.close()
