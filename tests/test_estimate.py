@@ -188,6 +188,14 @@ def test_nvme_space_is_checked_only_when_known():
     assert not small.fits and "NVMe" in small.why
 
 
+def test_stage3_on_one_gpu_is_said_to_buy_nothing_but_not_with_parameter_offload_or_more_gpus():
+    work = gpt(1_300_000_000, n_layer=24, d_model=2048)
+    one = by_name(work, node(gpus=1, cpu_gib=256))
+    assert any("one GPU: ZeRO-3 partitions nothing" in n and "prefer stage2" in n for n in one["stage3"].notes)
+    assert not any("one GPU" in n for n in one["stage3_offload"].notes)  # parameter offload is the point there
+    assert not any("one GPU" in n for e in by_name(work, node(gpus=2, cpu_gib=256)).values() for n in e.notes)
+
+
 # (4) recommendation
 
 

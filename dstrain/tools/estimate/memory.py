@@ -372,7 +372,7 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
     `work.precision`. Raises UserError for impossible inputs (non-positive sizes, unknown names).
     """
     _check_inputs(placement, work, hw)
-    notes = _placement_notes(placement)
+    notes = _placement_notes(placement, hw)
     precision = placement.precision or work.precision
     w = 2 if precision in ("bf16", "fp16") else 4
     states = _model_states(placement, work.params, -(-work.params // hw.total_gpus), w)
@@ -404,9 +404,13 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
     )
 
 
-def _placement_notes(placement: Placement) -> list[str]:
-    """What DeepSpeed will not do as the placement asks, said before the figures."""
+def _placement_notes(placement: Placement, hw: Hardware) -> list[str]:
+    """What DeepSpeed will not do as the placement asks, or what it buys nothing for, said before the figures."""
     notes = []
+    if placement.stage == 3 and placement.offload_param == "none" and hw.total_gpus == 1 and hw.accelerator == "cuda":
+        # docs/benchmarks.md, finding 16; dstrain config says the same (config/resolve.py)
+        notes.append("one GPU: ZeRO-3 partitions nothing here but still gathers every layer; it measured 0.61 "
+                     "of plain PyTorch's speed against stage 2's 1.09 on an H200: prefer stage2")
     if placement.offload_param != "none" and placement.stage != 3:
         notes.append(f"offload_param={placement.offload_param} ignored: DeepSpeed offloads parameters in stage 3 only")
     if placement.offload_optimizer == "nvme" and placement.stage != 3:
