@@ -212,6 +212,20 @@ def test_a_negative_size_is_refused_with_deepspeeds_bound(tmp_path):
             "DeepSpeedZeroConfig requires") in message
 
 
+def test_zero_lr_and_eps_are_accepted_as_torch_accepts_them(tmp_path):
+    resolved, _ = _resolve_ds(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": 0, "eps": 0}}})
+    assert resolved.ds_config["optimizer"]["params"]["lr"] == 0
+    assert resolved.ds_config["optimizer"]["params"]["eps"] == 0
+
+
+def test_max_grad_norm_in_the_optimizer_params_is_refused_as_deepspeeds_engine_refuses_it(tmp_path):
+    # DeepSpeed's config reads it, its engine raises ValueError when it builds the optimizer on every rank.
+    message, path = _fails(tmp_path, {"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "max_grad_norm": 1.0}}})
+    assert f"({path}): deepspeed.optimizer.params.max_grad_norm: DeepSpeed refuses this key when it builds " \
+           "the engine" in message
+    assert "clipping is deepspeed.gradient_clipping" in message
+
+
 def test_reduce_bucket_size_zero_is_refused_as_deepspeed_refuses_it(tmp_path):
     message, _ = _fails(tmp_path, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}})
     assert "deepspeed.zero_optimization.reduce_bucket_size: must be positive (got 0)" in message

@@ -230,14 +230,14 @@ def test_section_that_is_not_a_mapping(tmp_path):
 
 @pytest.mark.parametrize(("text", "where", "says"), [
     ("train:\n  micro_batch_size: -4\n", "train.micro_batch_size", "greater than 0 (got -4)"),
-    ("train:\n  lr: -0.1\n", "train.lr", "greater than 0 (got -0.1)"),
+    ("train:\n  lr: -0.1\n", "train.lr", "greater than or equal to 0 (got -0.1)"),
     ("train:\n  warmup_steps: -1\n", "train.warmup_steps", "greater than or equal to 0"),
     ("train:\n  weight_decay: -0.5\n", "train.weight_decay", "greater than or equal to 0"),
     ("model:\n  dropout: 1.5\n", "model.dropout", "less than 1"),
     ("train:\n  betas: [0.9, 1.5]\n", "train.betas.1", "less than 1"),
     ("deepspeed:\n  gradient_clipping: -1.0\n", "deepspeed.gradient_clipping", "greater than or equal to 0"),
     ("deepspeed:\n  optimizer:\n    type: AdamW\n    params:\n      lr: -1\n", "deepspeed.optimizer.params.lr",
-     "greater than 0"),
+     "greater than or equal to 0"),
     ("deepspeed:\n  zero_optimization:\n    stage: 2\n    reduce_bucket_size: -1\n",
      "deepspeed.zero_optimization.reduce_bucket_size", "must be positive (got -1)"),
     ("deepspeed:\n  zero_optimization:\n    stage: 3\n    stage3_max_live_parameters: -1\n",

@@ -122,9 +122,14 @@ def wait_for(condition, job: subprocess.Popen, log: Path, what: str, timeout: fl
 
 @pytest.fixture(scope="module")
 def two_jobs(tmp_path_factory):
-    """Job A trains into D; job B (other settings) is started into D; then A gets Ctrl-C (SIGINT)."""
+    """D holds the lock of a job that was killed; job A takes D over and trains into it; job B (other
+    settings) is started into D; then A gets Ctrl-C (SIGINT)."""
     base = tmp_path_factory.mktemp("owned")
     run_dir, log = base / "D", base / "a.log"
+    run_dir.mkdir()
+    stale = holder(run_dir, end="stay")
+    stale.kill()
+    stale.wait(timeout=30)
     args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir)]
     sets = [a for s in (*TINY, "train.eval_every=100000", "train.log_every=1", "train.save_every=100000")
             for a in ("--set", s)]
@@ -144,12 +149,12 @@ def two_jobs(tmp_path_factory):
     finally:
         if job_a.poll() is None:
             job_a.kill()
-    return run_dir, job_a, " ".join(log.read_text().split()), job_b, config_before, config_after
+    return run_dir, job_a, " ".join(log.read_text().split()), job_b, config_before, config_after, stale.pid
 
 
 @pytest.mark.integration
 def test_a_second_job_into_a_live_run_directory_exits_2_naming_the_first(two_jobs):
-    run_dir, job_a, _, job_b, _, _ = two_jobs
+    run_dir, job_a, _, job_b, _, _, _ = two_jobs
     message = " ".join(job_b.stderr.split())
     assert job_b.returncode == 2, job_b.stdout + job_b.stderr
     assert "this run directory belongs to a job that is still running" in message
@@ -158,8 +163,15 @@ def test_a_second_job_into_a_live_run_directory_exits_2_naming_the_first(two_job
 
 
 @pytest.mark.integration
+def test_dstrain_run_takes_over_the_lock_of_a_killed_job_with_a_note(two_jobs):
+    _, _, output_a, _, _, _, stale_pid = two_jobs
+    assert f"took over the run directory from a job that is gone (pid {stale_pid} on host " \
+           f"{socket.gethostname()}" in output_a
+
+
+@pytest.mark.integration
 def test_the_first_job_is_unharmed_by_the_refused_one(two_jobs):
-    run_dir, _, output_a, _, config_before, config_after = two_jobs
+    run_dir, _, output_a, _, config_before, config_after, _ = two_jobs
     assert config_after == config_before and "max_steps: 100000" in config_after
     steps = metric_steps(run_dir)
     assert steps == list(range(1, len(steps) + 1))  # one job's metrics, no second series mixed in
@@ -168,7 +180,7 @@ def test_the_first_job_is_unharmed_by_the_refused_one(two_jobs):
 
 @pytest.mark.integration
 def test_ctrl_c_saves_stops_and_every_message_names_sigint(two_jobs):
-    run_dir, job_a, output_a, _, _, _ = two_jobs
+    run_dir, job_a, output_a, _, _, _, _ = two_jobs
     step = metric_steps(run_dir)[-1]
     assert job_a.returncode == 130, output_a
     assert "SIGINT: asking the ranks to save a checkpoint and stop" in output_a

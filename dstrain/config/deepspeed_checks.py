@@ -49,6 +49,10 @@ def check_keys(merged: Merged, problems: list[Problem], warnings: list[str], str
             if key in removed.get(section.path, ()):
                 problems.append(Problem("DeepSpeed has removed this key and refuses configs that have it",
                                         merged.where(path), "remove it"))
+            elif key in dsk.REFUSED_AT_BUILD.get(section.path, {}):
+                problems.append(Problem("DeepSpeed refuses this key when it builds the engine (every rank would "
+                                        "stop at start)", merged.where(path),
+                                        dsk.REFUSED_AT_BUILD[section.path][key]))
             elif dsk.is_comment(key):
                 ignored.add((section.path, key))
             elif key not in section.names and _unknown_key(section, key, value, path, merged, problems, warnings,

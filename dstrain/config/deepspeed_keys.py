@@ -83,13 +83,18 @@ FIXED_SECTIONS = {
 OPTIMIZER_PARAMS = frozenset({
     "lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "adam_w_mode", "adamw_mode",
     "torch_adam", "fp32_optimizer_states", "set_grad_none", "momentum", "dampening", "nesterov",
-    "max_grad_norm", "max_coeff", "min_coeff", "eps_inside_sqrt", "freeze_step", "cuda_aware",
+    "max_coeff", "min_coeff", "eps_inside_sqrt", "freeze_step", "cuda_aware",
     "comm_backend_name", "coeff_beta", "factor_max", "factor_min", "factor_threshold",
     "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "maximize",
     "foreach", "capturable", "differentiable", "fused", "alpha", "centered", "lr_decay",
     "initial_accumulator_value", "rho",
 })
 SCHEDULER_EXTRA_PARAMS = frozenset({"cycle_momentum", "last_batch_iteration"})
+# Keys DeepSpeed's config reads without complaint but its engine refuses when it builds the optimizer
+# (engine.py, _configure_basic_optimizer), each with the fix: found at start, not on every rank later.
+REFUSED_AT_BUILD = {
+    "optimizer.params": {"max_grad_norm": "remove it: clipping is deepspeed.gradient_clipping (train.grad_clip)"},
+}
 
 # British -> American spellings, applied before comparing keys (zero_optimisation, offload_optimiser).
 _SPELLINGS = (("isation", "ization"), ("iser", "izer"), ("ising", "izing"), ("ise_", "ize_"),

@@ -136,8 +136,8 @@ class TrainConfig(Section):
     optimizer: Literal["adamw", "adam", "lamb", "onebitadam", "onebitlamb", "zerooneadam"] = "adamw"
     """Optimizer when the deepspeed section names none; Adam/AdamW become FusedAdam on GPU
     and DeepSpeedCPUAdam when the optimizer is offloaded."""
-    lr: PositiveFloat = 1e-3
-    """Peak learning rate (DeepSpeed's optimizer.params.lr)."""
+    lr: NonNegativeFloat = 1e-3
+    """Peak learning rate (DeepSpeed's optimizer.params.lr; 0, as in torch, trains nothing)."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     """Final learning rate as a fraction of lr, for decaying schedules."""
     warmup_steps: int = Field(20, ge=0)
@@ -149,8 +149,8 @@ class TrainConfig(Section):
     """Decoupled weight decay (AdamW)."""
     betas: tuple[Beta, Beta] = (0.9, 0.95)
     """Adam betas, each in [0, 1)."""
-    eps: PositiveFloat = 1e-8
-    """Adam epsilon."""
+    eps: NonNegativeFloat = 1e-8
+    """Adam epsilon (0 is allowed, as in torch's Adam)."""
     grad_clip: NonNegativeFloat = 1.0
     """Clip the global gradient norm to this value; 0 disables (DeepSpeed's gradient_clipping)."""
     activation_checkpointing: bool = False
