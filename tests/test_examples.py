@@ -123,3 +123,38 @@ def test_huggingface_example_trains_through_the_adapter(tmp_path):
                    "model.kwargs.n_embd=32", "model.kwargs.n_head=2", "model.kwargs.n_positions=32", "data.seq_len=32",
                    "train.micro_batch_size=4")
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the fine-tuning example needs transformers (optional)")
+def test_finetune_llama_example_trains_on_its_instructions_and_exports_a_folder_transformers_loads(tmp_path):
+    """The example as its comments run it: a tiny Llama and its BPE tokenizer saved locally, ZeRO-3
+    prompt/response fine-tuning on the shipped JSONL, `export_final: hf` in bf16 with the tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = tmp_path / "tiny-llama"
+    made = subprocess.run([sys.executable, str(EXAMPLES / "finetune_llama" / "make_tiny_llama.py"), str(model_dir),
+                           "--layers", "2", "--width", "64", "--vocab", "512"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    losses = train("finetune_llama/config.yaml", run_dir, f"model.name=hf:{model_dir}", "train.max_steps=6",
+                   "train.eval_every=3", "train.save_every=6", "train.lr=3e-3", "train.warmup_steps=1",
+                   "data.seq_len=64")
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]
+
+    exported = run_dir / "final_hf"
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (exported / name).is_file(), name
+    model, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.architectures == ["LlamaForCausalLM"] and model.dtype == torch.bfloat16
+    source, exported_tokenizer = AutoTokenizer.from_pretrained(model_dir), AutoTokenizer.from_pretrained(exported)
+    prompt = "What is the capital of France?\n"
+    assert exported_tokenizer(prompt)["input_ids"] == source(prompt)["input_ids"]
+    # Trained: the exported weights moved away from the ones the run started from.
+    original = AutoModelForCausalLM.from_pretrained(model_dir)
+    weights = {k: v.float() for k, v in model.state_dict().items()}
+    assert set(weights) == set(original.state_dict())
+    changed = [k for k, v in original.state_dict().items() if not torch.allclose(v, weights[k], atol=1e-2)]
+    assert changed, "no exported weight differs from the starting model"
