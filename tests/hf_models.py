@@ -22,8 +22,10 @@ def save_tiny_gpt2(directory: Path, seed: int = 0) -> Path:
     """GPT-2 ties its output head to the token embedding and uses Conv1D (transposed) layers."""
     from transformers import AutoModelForCausalLM, GPT2Config
     torch.manual_seed(seed)
+    # No dropout: dstrain trains in training mode, transformers_loss computes in eval mode, and the
+    # tests compare the two on the same weights and batch.
     config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=256, n_positions=64, bos_token_id=0,
-                        eos_token_id=0)
+                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
 

@@ -7,6 +7,8 @@ ZeRO path, each checked for several facts.
 (b) ZeRO-2, tiny GPT-2 (tied head, Conv1D) with LoRA and lr near zero: step-1 loss equals transformers',
     only adapter weights reach the optimizer, and `train.export_final: hf` merges them back into the
     original weights.
+(c) ZeRO-3, tiny GPT-2, every weight trained with lr near zero: step-1 loss equals transformers', and
+    the exported folder holds the original weights and gives the original model's logits.
 """
 
 from __future__ import annotations
@@ -103,3 +105,25 @@ def test_zero2_gpt2_lora_trains_only_adapters_and_merges_back_on_export(tmp_path
     assert set(exported) == set(original)
     for name, value in original.items():
         torch.testing.assert_close(exported[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.integration
+def test_zero3_gpt2_full_fine_tune_with_lr_near_zero_exports_the_original_weights(tmp_path):
+    # GPT-2's tied head and Conv1D layers through zero.Init's partitioned loading and back out.
+    model_dir = save_tiny_gpt2(tmp_path / "gpt2")
+    run_dir = tmp_path / "run"
+    result = run(run_dir, "stage3", model_dir, "train.lr=1e-9", "train.export_final=hf", "train.export_dtype=fp32")
+    assert_ok(result)
+    assert losses(run_dir)[1] == pytest.approx(step1_loss_by_transformers(run_dir, model_dir), rel=1e-5)
+
+    out = run_dir / "final_hf"
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    original = load_file(model_dir / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
+    assert set(exported) == set(original)
+    for name, value in original.items():
+        torch.testing.assert_close(exported[name], value, rtol=0, atol=1e-6, msg=name)
+    source = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    inputs = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model_logits(loaded, inputs), model_logits(source, inputs), rtol=0, atol=1e-5)

@@ -211,6 +211,10 @@ def _build_zero3(config: RunConfig, ds_config: dict, hf_config) -> nn.Module:
         from transformers.modeling_utils import no_init_weights
 
     from dstrain.models.weights import load_into, raise_if_incomplete
+    # Some architectures (GPT-2) make transformers import torch._dynamo lazily while the model is built;
+    # dynamo's first import checks torch.Tensor.__new__, which zero.Init replaces, and fails
+    # ("Signature mismatch ... tensor_pynew"). Imported before, it finds the original.
+    import torch._dynamo  # noqa: F401
     with deepspeed.zero.Init(config_dict_or_path=ds_config), no_init_weights():  # every weight is loaded next
         model = _from_config(config, hf_config)
     if hasattr(model, "tie_weights"):

@@ -89,6 +89,9 @@ def train(engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler,
     def full_client_state(step: int) -> dict:
         return {**client_state(step), "health": health.client_state(), "early_stop": early.client_state()}
 
+    # Training mode from the first step: a model loaded by from_pretrained comes in eval mode (no
+    # dropout), one built under zero.Init in training mode; evaluation switches back and forth.
+    engine.train()
     loss_sum = torch.zeros((), device=device)
     interval_start, interval_steps = time.perf_counter(), 0
     data_s = 0.0  # host time building batches in this log interval (no device wait: no sync)
