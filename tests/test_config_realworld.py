@@ -133,6 +133,7 @@ TRAINED_SAMPLE = [
     "llamafactory__ds_z2_offload_config.json",  # stage 2, optimizer on the CPU
     "llamafactory__ds_z3_config.json",  # stage 3
     "axolotl__zero3_bf16_cpuoffload_all.json",  # stage 3, parameters and optimizer on the CPU; 0 sizes
+    "axolotl__zero3_bf16_cpuoffload_params.json",  # stage 3, parameters alone on the CPU
 ]
 
 
@@ -149,5 +150,8 @@ def test_a_sample_of_the_corpus_trains_two_steps_on_two_cpu_ranks(name, tmp_path
     ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
     source = json.loads((REALWORLD / name).read_text())
     assert ds["zero_optimization"]["stage"] == source["zero_optimization"]["stage"]
+    for offload in ("offload_param", "offload_optimizer"):  # where the states live survives too
+        assert (ds["zero_optimization"].get(offload) or {}).get("device", "none") == \
+            (source["zero_optimization"].get(offload) or {}).get("device", "none"), offload
     trained = losses(tmp_path / "run")
     assert sorted(trained) == [1, 2] and all(loss == loss and loss > 0 for loss in trained.values())
