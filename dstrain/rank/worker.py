@@ -143,6 +143,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
 
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
+    from dstrain.rank.offload_syncs import remove_offload_syncs
     from dstrain.rank.runtime import enable_activation_checkpointing
 
     model = build_model(config, ds_config, device)
@@ -151,6 +152,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
+    remove_offload_syncs(engine)  # ZeRO-1/2 CPU offload: no per-parameter waits for the GPU
     if config.train.compile:
         engine.compile()
     return engine, model

@@ -1,0 +1,93 @@
+"""ZeRO-1/2 with the optimizer on the CPU: two per-parameter waits for the GPU that dstrain takes out of
+the engine it built (DeepSpeed 0.19's DeepSpeedZeroOptimizer).
+
+In its offload path DeepSpeed's gradient hook tests each gradient for inf/NaN and reads the answer on
+the host, one synchronisation per parameter inside the backward, even where nothing reads the answer
+(the overflow check is off: bf16 as dstrain renders it, or fp32); and it sums the gradient norm on the
+host from one `.item()` per parameter. For the 406M GPT that is ~400 waits a step, which keep the host
+from running ahead of the GPU (torch.profiler, one H100: docs/benchmarks.md). The replacements compute
+the same values: no tracker where it is never read, the norm from one reduction on the device.
+A third change saves a pass over the host's fp32 gradients: DeepSpeed multiplies all of them by the
+unscale/clip factor on every step, 1 included (23 ms a step for 406M parameters); here the factor is
+read once and the pass skipped when it is exactly 1 (bf16 or fp32, gradient norm under the clip).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+
+def remove_offload_syncs(engine) -> bool:
+    """Patch `engine`'s ZeRO-1/2 CPU-offload optimizer in place; False (nothing changed) for any other
+    optimizer, or a DeepSpeed whose offload path no longer has these methods."""
+    optimizer = getattr(engine, "optimizer", None)
+    needed = ("update_offload_overflow_tracker", "complete_grad_norm_calculation_for_cpu_offload",
+              "norm_for_param_grads", "check_grad_overflow", "get_param_id", "unscale_and_clip_grads",
+              "clip_grad", "loss_scale")
+    if not getattr(optimizer, "cpu_offload", False) or not all(hasattr(optimizer, name) for name in needed):
+        return False
+    if not optimizer.check_grad_overflow:  # local_overflow is read only by the overflow check
+        optimizer.update_offload_overflow_tracker = _no_overflow_tracking
+    optimizer.complete_grad_norm_calculation_for_cpu_offload = types.MethodType(_grad_norm_on_device, optimizer)
+    optimizer.unscale_and_clip_grads = types.MethodType(_unscale_unless_one, optimizer)
+    return True
+
+
+def _no_overflow_tracking(_grad) -> None:
+    return None
+
+
+def _grad_norm_on_device(self, params):
+    """DeepSpeed's complete_grad_norm_calculation_for_cpu_offload with one wait instead of one per
+    parameter: the same parameters counted, the squares summed in float64 as its Python floats are,
+    the same all-reduces, and -1.0 for a non-finite norm."""
+    import torch
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    norms = []
+    for p in params:
+        if getattr(p, "ds_pipe_replicated", False):  # pipeline-replicated: counted by another stage
+            continue
+        if is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
+            param_id = self.get_param_id(p)
+            if param_id in self.norm_for_param_grads:
+                norms.append(self.norm_for_param_grads[param_id])
+            else:
+                assert self.ignore_unused_parameters, (
+                    "a trainable parameter took no part in the loss; set "
+                    "deepspeed.zero_optimization.ignore_unused_parameters=true or use every parameter")
+    device = get_accelerator().current_device_name()
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    if norms:
+        squares = torch.stack([n.reshape(()).to(device=device, dtype=torch.float64) for n in norms]).pow(2).sum()
+        total += squares.to(torch.float32)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+    norm = total[0].item() ** 0.5
+    return torch.tensor(norm if math.isfinite(norm) else -1.0, device=self.device, dtype=torch.float)
+
+
+def _unscale_unless_one(self, grad_groups_flat, total_norm):
+    """DeepSpeed's unscale_and_clip_grads with the factor read once (as the float32 DeepSpeed computes)
+    and no pass over the host's gradients when it is 1."""
+    import torch
+    from deepspeed.runtime.utils import is_invalid_grad_norm
+
+    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+        return
+    combined_scale = self.loss_scale
+    if self.clip_grad > 0.:
+        clip_norm = total_norm
+        if is_invalid_grad_norm(clip_norm):  # step() refuses these; a direct caller gets no clip
+            clip_norm = torch.tensor(float("inf"), dtype=torch.float, device=self.device)
+        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
+        combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
+    factor = float(1. / combined_scale)
+    if factor == 1.0:
+        return
+    for grad in grad_groups_flat:
+        for part in (grad if isinstance(grad, list) else [grad]):
+            part.data.mul_(factor)
