@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from dstrain.tools import doctor
-from dstrain.launcher.env_fixes import sanitize_cuda_arch_list, stale_extension_locks
+from dstrain.launcher.env_fixes import bytecode_cache_dir, sanitize_cuda_arch_list, stale_extension_locks
 
 ARCH = "TORCH_CUDA_ARCH_LIST"
 
@@ -70,6 +70,55 @@ def _make_lock(folder: Path, age_s: float) -> Path:
     then = time.time() - age_s
     os.utime(lock, (then, then))
     return lock
+
+
+def _torch_like(tmp_path: Path, with_bytecode: bool) -> Path:
+    package = tmp_path / "site" / "torch"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    if with_bytecode:
+        (package / "__pycache__").mkdir()
+        (package / "__pycache__" / f"__init__.{sys.implementation.cache_tag}.pyc").write_bytes(b"")
+    return package
+
+
+def test_bytecode_cache_only_where_every_process_would_compile_torch_again(tmp_path):
+    home = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    cache = tmp_path / "cache" / "dstrain" / "pycache"
+    bare = _torch_like(tmp_path / "a", with_bytecode=False)
+    # No bytecode and none can be written (read-only install, or PYTHONDONTWRITEBYTECODE): cache it.
+    assert bytecode_cache_dir(bare, home, dont_write=False, writable=False) == cache
+    assert bytecode_cache_dir(bare, home, dont_write=True, writable=True) == cache
+    # Python writes it beside the sources itself, or it was installed with its bytecode: leave alone.
+    assert bytecode_cache_dir(bare, home, dont_write=False, writable=True) is None
+    compiled = _torch_like(tmp_path / "b", with_bytecode=True)
+    assert bytecode_cache_dir(compiled, home, dont_write=True, writable=False) is None
+    # The user's own prefix, or the opt-out, wins; no torch, nothing to do.
+    assert bytecode_cache_dir(bare, {**home, "PYTHONPYCACHEPREFIX": "/x"}, dont_write=True, writable=False) is None
+    assert bytecode_cache_dir(bare, {**home, "DSTRAIN_BYTECODE_CACHE": "off"}, dont_write=True, writable=False) is None
+    assert bytecode_cache_dir(None, home, dont_write=True, writable=False) is None
+
+
+def test_a_torch_without_bytecode_is_compiled_once_into_the_cache_by_this_process_and_its_children(tmp_path):
+    """A stand-in torch package without bytecode, with PYTHONDONTWRITEBYTECODE as images set it: after
+    use_bytecode_cache() this process writes its bytecode under the cache, and the environment the
+    launcher and ranks inherit names the same folder."""
+    package = _torch_like(tmp_path, with_bytecode=False)
+    (package / "__init__.py").write_text("VALUE = 42\n")
+    script = ("import os, sys\n"
+              "from dstrain.launcher.env_fixes import use_bytecode_cache\n"
+              "folder = use_bytecode_cache()\n"
+              "import torch\n"
+              "print(folder, os.environ['PYTHONPYCACHEPREFIX'], 'PYTHONDONTWRITEBYTECODE' in os.environ, torch.VALUE)\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(package.parent), str(Path(__file__).resolve().parents[1])])}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    cache = tmp_path / "cache" / "dstrain" / "pycache"
+    assert result.stdout.split() == [str(cache), str(cache), "False", "42"]
+    assert len(list(cache.rglob(f"torch/__init__.{sys.implementation.cache_tag}.pyc"))) == 1
+    assert not (package / "__pycache__").exists()  # the installation is left as it was
 
 
 def test_old_lock_is_stale(tmp_path):
@@ -285,3 +334,11 @@ def test_leftover_deepspeed_shm_buffers_are_reported_with_a_fix(tmp_path):
     assert report["shm_buffers"]["stale"] >= 1
     problem = next(p for p in report["problems"] if p["check"] == "shm_buffers")
     assert problem["severity"] == "warning" and "rm /dev/shm/deepspeed_allreduce_buffer_" in problem["fix"]
+
+
+def test_doctor_says_whether_torch_bytecode_is_kept(report):
+    # pip wrote torch's bytecode when it installed it here: nothing for dstrain to cache.
+    assert report["bytecode"] == {"prefix": os.environ.get("PYTHONPYCACHEPREFIX"), "dstrain_cache": None}
+    console = Console(file=io.StringIO(), width=200)
+    doctor.render(report, console)
+    assert "torch bytecode" in console.file.getvalue()

@@ -131,3 +131,50 @@ def _files_open_by_local_processes() -> set[str]:
             except OSError:
                 continue
     return held
+
+
+BYTECODE_OPT_OUT = "DSTRAIN_BYTECODE_CACHE"  # "off": leave Python's bytecode handling alone
+
+
+def bytecode_cache_dir(package: Path | None, env: Mapping[str, str], dont_write: bool,
+                       writable: bool | None = None) -> Path | None:
+    """Where dstrain's processes keep compiled bytecode, when Python cannot keep torch's next to its
+    sources; None when it can, or has it already.
+
+    A torch installed without bytecode (`pip --no-compile`, images built with PYTHONDONTWRITEBYTECODE)
+    in a read-only place, or run with PYTHONDONTWRITEBYTECODE, is compiled again by every process that
+    imports it: seconds for each of the three in `dstrain run` (the CLI, DeepSpeed's launcher, each
+    rank). A cache prefix outside the installation (PYTHONPYCACHEPREFIX) keeps the sources untouched
+    and compiles once. `package`: torch's package folder; `writable` overrides the access check.
+    """
+    if package is None or env.get("PYTHONPYCACHEPREFIX") or env.get(BYTECODE_OPT_OUT, "").lower() in ("0", "off", "false", "no"):
+        return None
+    import sys
+    if (package / "__pycache__" / f"__init__.{sys.implementation.cache_tag}.pyc").exists():
+        return None  # installed with its bytecode
+    if writable is None:
+        folder = package / "__pycache__"
+        writable = os.access(folder if folder.exists() else package, os.W_OK)
+    if writable and not dont_write:
+        return None  # Python writes it beside the sources on the first import
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dstrain" / "pycache"
+
+
+def use_bytecode_cache() -> Path | None:
+    """Turn the bytecode cache on for this process and the ones it starts, where bytecode_cache_dir
+    says it is needed; returns the folder, or None (nothing changed)."""
+    import importlib.util
+    import sys
+    spec = importlib.util.find_spec("torch")
+    package = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+    folder = bytecode_cache_dir(package, os.environ, bool(sys.flags.dont_write_bytecode))
+    if folder is None:
+        return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # no cache then: slower, not broken
+    sys.pycache_prefix, sys.dont_write_bytecode = str(folder), False
+    os.environ["PYTHONPYCACHEPREFIX"] = str(folder)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    return folder

@@ -32,7 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 import dstrain
-from dstrain.launcher.env_fixes import ARCH_LIST_VAR, sanitize_cuda_arch_list, stale_extension_locks
+from dstrain.launcher.env_fixes import (ARCH_LIST_VAR, bytecode_cache_dir, sanitize_cuda_arch_list,
+                                        stale_extension_locks)
 
 # The ops dstrain's features rely on, and what each is for.
 KEY_OPS = {
@@ -78,6 +79,7 @@ def collect(nvme_path: Path | None = None) -> Report:
             "dstrain": dstrain.__version__,
         },
         "host": _host(problems),
+        "bytecode": _bytecode(),
     }
 
     try:
@@ -139,6 +141,16 @@ def _host(problems: Problems) -> dict[str, Any]:
         "cpus_usable": usable,
         "shm_total_bytes": shm_total,
     }
+
+
+def _bytecode() -> dict[str, Any]:
+    """Whether torch's bytecode is kept: without it every process that imports torch compiles it
+    again (seconds), and `dstrain run` keeps it in its own cache (env_fixes.bytecode_cache_dir)."""
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    package = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+    folder = bytecode_cache_dir(package, os.environ, bool(sys.flags.dont_write_bytecode))
+    return {"prefix": os.environ.get("PYTHONPYCACHEPREFIX"), "dstrain_cache": str(folder) if folder else None}
 
 
 def _meminfo() -> dict[str, int]:
@@ -590,6 +602,9 @@ def _environment_table(report: Report) -> Table:
     libaio = report["libaio"]
     env.add_row("libaio", _yes(libaio["ok"]) + f" ({libaio['header'] or 'no header'}, "
                 f"{libaio['dev_library'] or 'no libaio.so'})")
+    bytecode = report["bytecode"]
+    env.add_row("torch bytecode", f"none installed, none written: `dstrain run` keeps it in {bytecode['dstrain_cache']}"
+                if bytecode["dstrain_cache"] else f"kept in {bytecode['prefix']}" if bytecode["prefix"] else "kept")
     arch = report["torch_cuda_arch_list"]
     env.add_row(ARCH_LIST_VAR, str(arch["value"]) + (f" -> {arch['sanitized']}" if arch["sanitized"] else ""))
     return env
