@@ -498,8 +498,11 @@ def interrupted_early(tmp_path_factory):
     model = ["model.name=rank_recorder:build", f"model.kwargs.record_dir={seen}", "model.kwargs.vocab_size=256",
              "model.kwargs.seq_len=32", "model.kwargs.d_model=32", "model.kwargs.n_layer=1", "model.kwargs.n_head=2"]
     monitor = ["deepspeed.comet.enabled=false", f"deepspeed.comet.api_key={SECRET}", "deepspeed.comet.project=p"]
+    # Without the early start: the launcher then starts after the checks, with the run directory
+    # written, and its ranks are surely not up yet. (Early-started ranks wait at a gate during the
+    # checks, where a signal ends the job unsaved: tests/test_early_start.py.)
     job = Job.start(run_dir, "train.max_steps=100000", "train.save_every=100000", *model, *monitor,
-                    env={"PYTHONPATH": str(TESTS), "TORCH_CUDA_ARCH_LIST": "9.0a;8.0,8.0"})
+                    env={"PYTHONPATH": str(TESTS), "TORCH_CUDA_ARCH_LIST": "9.0a;8.0,8.0", "DSTRAIN_EARLY_START": "0"})
     job.wait_for(lambda: runner_started(run_dir), "the deepspeed runner starting")
     ranks_up = sorted(p.name for p in (run_dir / "ranks").glob("*.pid"))
     job.process.send_signal(signal.SIGINT)

@@ -22,12 +22,14 @@ from dstrain.config.resolve import ResolvedConfig, resolve
 from dstrain.errors import UserError
 from dstrain.hangs import hang_timeout_s
 from dstrain.hardware import resolve_accelerator
+from dstrain.launcher import early_start
+from dstrain.launcher.env_fixes import use_bytecode_cache
 from dstrain.launcher.preflight import check_runtime, clear_stale_build_locks
 from dstrain.launcher.options import LaunchOptions
 from dstrain.launcher.ownership import current_holder, multi_node_job_id
 from dstrain.launcher.run_directory import (default_run_dir, prepare_run_dir, universal_copy, write_run_dir,
                                             write_synthetic_hostfile)
-from dstrain.launcher.runner import rank_env, runner_command
+from dstrain.launcher.runner import is_local_job, rank_env, runner_command
 from dstrain.launcher.supervise import supervise
 from dstrain.launcher.topology import MPI_LAUNCHERS, JobShape, job_shape, master_port
 
@@ -39,19 +41,35 @@ def launch(o: LaunchOptions) -> int:
         raise UserError.single(f"unknown accelerator {o.accelerator!r}", "--accelerator", "use auto, cuda or cpu")
     accelerator = resolve_accelerator(o.accelerator)
     os.environ["DS_ACCELERATOR"] = accelerator  # DeepSpeed, imported for the checks below, asks no more
+    use_bytecode_cache()  # before this process and the ranks import torch
     shape = job_shape(o, accelerator)
     _warn_about_launcher(o, shape, console)
     resolved = resolve(_preset(o, shape, accelerator, console), o.config_file, o.sets, world_size=shape.world,
                        accelerator=accelerator)
+    run_dir = o.run_dir or default_run_dir(resolved)
+    port = master_port(o, shape)
+    early = None
+    if not o.dry_run and is_local_job(o, shape.nodes) and early_start.wanted():
+        command = runner_command(o, shape.ranks, shape.nodes, Path(run_dir), port)
+        early = early_start.EarlyStart(command, rank_env(accelerator, max(shape.active.values())))
+    try:
+        return _check_and_start(o, shape, resolved, accelerator, Path(run_dir), port, early, console)
+    except BaseException:
+        if early is not None:
+            early.cancel()
+        raise
+
+
+def _check_and_start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelerator: str, run_dir: Path,
+                     port: int, early: early_start.EarlyStart | None, console: Console) -> int:
+    """The checks that import torch and DeepSpeed, the plan, then the run directory and the ranks."""
     params = check_runtime(resolved)
     for warning in resolved.warnings:
         warn(warning)
 
-    run_dir = o.run_dir or default_run_dir(resolved)
     resume_info, notes = _resume_target(o, run_dir, resolved, shape.world)
     _print_plan(resolved, shape.world, accelerator, params, notes, resume_info, console)
     clear_stale_build_locks(console, o.dry_run)
-    port = master_port(o, shape)
     if o.dry_run:
         holder = current_holder(Path(run_dir))
         if holder is not None:
@@ -65,14 +83,14 @@ def launch(o: LaunchOptions) -> int:
     try:
         if lock.note:
             console.print(f"[yellow]note:[/] {lock.note}", soft_wrap=True)
-        return _start(o, shape, resolved, accelerator, run_dir, resume_info, port, console)
+        return _start(o, shape, resolved, accelerator, run_dir, resume_info, port, early, console)
     finally:
         lock.release()
 
 
 def _start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelerator: str, run_dir: Path,
-           resume_info: dict | None, port: int, console: Console) -> int:
-    """Write the run directory (owned by this job now) and supervise the ranks."""
+           resume_info: dict | None, port: int, early: early_start.EarlyStart | None, console: Console) -> int:
+    """Write the run directory (owned by this job now), let the ranks go (or start them) and supervise."""
     if resume_info and resume_info["universal"]:
         resume_info["directory"] = str(universal_copy(Path(resume_info["directory"]), resume_info["tag"], run_dir))
     launch_info = {"resume": resume_info, "verbose": o.verbose, "preset": resolved.preset, "world_size": shape.world,
@@ -85,9 +103,13 @@ def _start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelera
     console.print(f"run directory: {run_dir}")
     command = runner_command(o, shape.ranks, shape.nodes, run_dir, port)
     started = time.time()
-    code = supervise(command, rank_env(accelerator, max(shape.active.values())), run_dir, o.verbose, console,
-                     shape.own_ranks, saves=resolved.config.train.save_checkpoints,
-                     hang_timeout_s=launch_info["hang_timeout_s"])
+    try:
+        code = supervise(command, rank_env(accelerator, max(shape.active.values())), run_dir, o.verbose, console,
+                         shape.own_ranks, saves=resolved.config.train.save_checkpoints,
+                         hang_timeout_s=launch_info["hang_timeout_s"], started=early.open() if early else None)
+    finally:
+        if early is not None:
+            early.remove()
     if code == 0 or code > 128:  # finished, or stopped cleanly by a signal
         _print_summary(Path(run_dir), started, accelerator, console)
     return code

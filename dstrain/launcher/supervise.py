@@ -90,16 +90,24 @@ def failure_report(run_dir: Path, alive: set[int]) -> list[str]:
     return [("" if i == 0 else "  then ") + f"rank {r}: {text}" for i, (_, r, text) in enumerate(failed)]
 
 
-def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: bool, console: Console,
-              own_ranks: range | None = None, saves: bool = True, hang_timeout_s: float = 0) -> int:
-    """Run the deepspeed runner, filter its chatter, forward SIGTERM/SIGINT to the ranks (which save,
-    unless `saves` is false, and stop), end the job if its ranks hang (watchdog.py; `hang_timeout_s`,
-    0: never), and name the failed rank if the job fails. Returns the exit code."""
-    # A new session: Ctrl-C reaches only us, and we ask the ranks to stop cleanly instead of
-    # letting the launcher kill them mid-step.
-    # On a terminal the ranks write to it directly (rank 0's live progress bar needs a terminal);
-    # otherwise their output is piped through here and the launcher's chatter is filtered out.
+def start_launcher(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start the deepspeed launcher in a new session: Ctrl-C reaches only us, and we ask the ranks to
+    stop cleanly instead of letting the launcher kill them mid-step. On a terminal the ranks write to
+    it directly (rank 0's live progress bar needs a terminal); otherwise their output is piped through
+    here (supervise's reader) and the launcher's chatter is filtered out."""
     interactive = sys.stdout.isatty()
+    return subprocess.Popen(command, env=env, stdout=None if interactive else subprocess.PIPE,
+                            stderr=None if interactive else subprocess.STDOUT,
+                            start_new_session=True, text=True, bufsize=1)
+
+
+def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: bool, console: Console,
+              own_ranks: range | None = None, saves: bool = True, hang_timeout_s: float = 0,
+              started: subprocess.Popen | None = None) -> int:
+    """Run the deepspeed runner (or take over `started`, the launcher early_start.py began), filter
+    its chatter, forward SIGTERM/SIGINT to the ranks (which save, unless `saves` is false, and stop),
+    end the job if its ranks hang (watchdog.py; `hang_timeout_s`, 0: never), and name the failed rank
+    if the job fails. Returns the exit code."""
     received: list[int] = []
     deadline: list[float] = []
     signalled: set[int] = set()
@@ -117,9 +125,7 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
     # and leave the job running, unsupervised.
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        process = subprocess.Popen(command, env=env, stdout=None if interactive else subprocess.PIPE,
-                                   stderr=None if interactive else subprocess.STDOUT,
-                                   start_new_session=True, text=True, bufsize=1)
+        process = started if started is not None else start_launcher(command, env)
     except BaseException:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -55,8 +55,57 @@ def _catch_stop_signals() -> tuple[list[str], dict]:
     return caught, {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
 
 
+_waited_at_gate_s = 0.0  # time spent at the start gate, for the "ready" line
 
 
+def _prepare_while_checks_run() -> None:
+    """What every rank does first anyway, done while `dstrain run` still checks: the imports (torch's
+    first optimizer imports torch._dynamo, seconds) and, on a GPU, the CUDA context. Best effort: a
+    failure here shows again, reported, when the rank does the same after the gate."""
+    try:
+        import torch
+        import deepspeed  # noqa: F401
+        import torch._dynamo  # noqa: F401
+        from dstrain import data, models  # noqa: F401
+        from dstrain.rank import checkpointing, loop, metrics  # noqa: F401
+        if os.environ.get("DS_ACCELERATOR") == "cuda" and torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.zeros(1, device="cuda")  # creates the context
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _wait_at_start_gate(spec: str, caught: list[str]) -> bool:
+    """Ranks started while `dstrain run` still checks (rundir.START_GATE_ENV = "PID:FILE") prepare,
+    then wait until FILE says "go". False: leave without touching the run directory (the checks
+    failed, the job was cancelled, or `dstrain run`, process PID, is gone)."""
+    global _waited_at_gate_s
+    pid_text, _, path = spec.partition(":")
+    gate = Path(path)
+    _prepare_while_checks_run()
+    waiting = time.perf_counter()
+    while True:
+        try:
+            state = gate.read_text().strip()
+        except OSError:
+            state = ""
+        if state == "go":
+            _waited_at_gate_s = time.perf_counter() - waiting
+            os.environ.pop(rundir.START_GATE_ENV, None)  # not for anything this rank starts
+            return True
+        if state == "cancel" or caught or not _alive(int(pid_text)):
+            return False
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
@@ -115,9 +164,10 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
         if resume:
             metrics.console.print(f"resumed from {resume['tag']} at step {start_step}")
         now = time.perf_counter()
+        gate = f", {_waited_at_gate_s:.1f} s of them waiting for dstrain run's checks" if _waited_at_gate_s >= 0.05 else ""
         metrics.console.print(f"[dim]ready in {now - started:.1f} s (data {data_ready - started:.1f} s, model and "
                               f"engine {engine_ready - data_ready:.1f} s; {started - _IMPORTED:.1f} s of imports and "
-                              f"process group before; {now - _IMPORTED:.1f} s since the rank started)[/]",
+                              f"process group before{gate}; {now - _IMPORTED:.1f} s since the rank started)[/]",
                               soft_wrap=True)
 
     def client_state(step: int) -> dict:
@@ -179,6 +229,9 @@ def main(argv: list[str]) -> int:
         return 2
     run_dir = Path(positional[0])
     caught, previous_handlers = _catch_stop_signals()  # before the pid is published: `dstrain run` signals it
+    gate = os.environ.get(rundir.START_GATE_ENV)
+    if gate and not _wait_at_start_gate(gate, caught):
+        return 0
     record(run_dir, "pid", str(os.getpid()))
     try:
         heartbeat.start(run_dir, _rank())
