@@ -4,25 +4,14 @@ but ~15 s of DeepSpeed start-up and four engines: it runs with the slower, integ
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+
+from one_rank import run_one_rank
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = textwrap.dedent("""
-    import json, os, socket, sys, warnings
-    warnings.filterwarnings("ignore")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    import torch, deepspeed
+SCRIPT = """
     from dstrain.rank.metrics import engine_stats
-    deepspeed.init_distributed(dist_backend="gloo")
 
     def build():
         torch.manual_seed(0)
@@ -45,16 +34,12 @@ SCRIPT = textwrap.dedent("""
         engine.backward(engine(x.to(dtype)).float().pow(2).mean())
         engine.step()
         out[f"{stage}-{precision}"] = engine_stats(engine)
-    print("RESULT " + json.dumps(out))
-""")
+    result(out)
+"""
 
 
 def test_engine_stats_gives_the_norm_before_clipping_for_zero_2_and_3_and_none_for_stage_0_fp32():
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    line = next((l for l in result.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line, result.stdout[-2000:] + result.stderr[-3000:]
-    out = json.loads(line[len("RESULT "):])
+    out = run_one_rank(SCRIPT, timeout=300)
     reference = out["reference"]
     assert reference > 100  # far above the clip at 0.01: a clipped norm would read 0.01
     assert out["2-fp32"]["grad_norm"] == pytest.approx(reference, rel=1e-5)

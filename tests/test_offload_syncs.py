@@ -4,25 +4,14 @@ process group stays out of the test process). Integration lane: DeepSpeed start-
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+
+from one_rank import run_one_rank
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = textwrap.dedent("""
-    import json, os, socket, sys, warnings
-    warnings.filterwarnings("ignore")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    import torch, deepspeed
+SCRIPT = """
     from dstrain.rank.offload_syncs import remove_offload_syncs
-    deepspeed.init_distributed(dist_backend="gloo")
 
     def train(stage, precision, accum, clip, patched):
         torch.manual_seed(0)
@@ -59,16 +48,12 @@ SCRIPT = textwrap.dedent("""
         key = f"{stage}-{precision}-{accum}-clip{clip}"
         out[key] = {"deepspeed": train(stage, precision, accum, clip, False),
                     "dstrain": train(stage, precision, accum, clip, True)}
-    print("RESULT " + json.dumps(out))
-""")
+    result(out)
+"""
 
 
 def test_offload_optimizer_without_per_parameter_syncs_trains_as_deepspeeds_own():
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    line = next((l for l in result.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line, result.stdout[-2000:] + result.stderr[-3000:]
-    out = json.loads(line[len("RESULT "):])
+    out = run_one_rank(SCRIPT)
     for key, runs in out.items():
         ours, theirs = runs["dstrain"], runs["deepspeed"]
         assert ours["applied"] is True, key

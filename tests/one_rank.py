@@ -1,0 +1,34 @@
+"""Helpers for tests that drive real DeepSpeed engines in one CPU rank (gloo), in a subprocess so its
+process group stays out of the test process: a script starts with ONE_RANK_PREAMBLE (a free port,
+the rank's environment, torch and deepspeed imported, the process group up) and ends by printing
+`result(...)`; run_one_rank returns what it printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+ONE_RANK_PREAMBLE = textwrap.dedent("""
+    import json, os, socket, sys, warnings
+    warnings.filterwarnings("ignore")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import torch, deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def result(value):
+        print("RESULT " + json.dumps(value))
+""")
+
+
+def run_one_rank(script: str, timeout: float = 600):
+    """Run ONE_RANK_PREAMBLE + `script` on DeepSpeed's CPU accelerator; the value it passed to result()."""
+    done = subprocess.run([sys.executable, "-c", ONE_RANK_PREAMBLE + textwrap.dedent(script)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
