@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from dstrain.launcher.env_fixes import switched_off
 from dstrain.launcher.supervise import start_launcher
 from dstrain.rundir import START_GATE_ENV, write_atomic
 
@@ -68,7 +69,6 @@ class EarlyStart:
         os._exit(128 + signum)
 
 
-def wanted(env: dict[str, str] | None = None) -> bool:
+def wanted() -> bool:
     """On unless DSTRAIN_EARLY_START is 0/off (for debugging a start-up: everything then runs in order)."""
-    env = os.environ if env is None else env
-    return env.get("DSTRAIN_EARLY_START", "").lower() not in ("0", "off", "false", "no")
+    return not switched_off(os.environ, "DSTRAIN_EARLY_START")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -136,6 +137,18 @@ def _files_open_by_local_processes() -> set[str]:
 BYTECODE_OPT_OUT = "DSTRAIN_BYTECODE_CACHE"  # "off": leave Python's bytecode handling alone
 
 
+def switched_off(env: Mapping[str, str], name: str) -> bool:
+    """A DSTRAIN_* switch that is on by default, turned off by 0/off/false/no."""
+    return env.get(name, "").strip().lower() in ("0", "off", "false", "no")
+
+
+def torch_package() -> Path | None:
+    """torch's package folder, found without importing torch; None when torch is not installed."""
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+
+
 def bytecode_cache_dir(package: Path | None, env: Mapping[str, str], dont_write: bool,
                        writable: bool | None = None) -> Path | None:
     """Where dstrain's processes keep compiled bytecode, when Python cannot keep torch's next to its
@@ -147,9 +160,8 @@ def bytecode_cache_dir(package: Path | None, env: Mapping[str, str], dont_write:
     rank). A cache prefix outside the installation (PYTHONPYCACHEPREFIX) keeps the sources untouched
     and compiles once. `package`: torch's package folder; `writable` overrides the access check.
     """
-    if package is None or env.get("PYTHONPYCACHEPREFIX") or env.get(BYTECODE_OPT_OUT, "").lower() in ("0", "off", "false", "no"):
+    if package is None or env.get("PYTHONPYCACHEPREFIX") or switched_off(env, BYTECODE_OPT_OUT):
         return None
-    import sys
     if (package / "__pycache__" / f"__init__.{sys.implementation.cache_tag}.pyc").exists():
         return None  # installed with its bytecode
     if writable is None:
@@ -163,11 +175,7 @@ def bytecode_cache_dir(package: Path | None, env: Mapping[str, str], dont_write:
 def use_bytecode_cache() -> Path | None:
     """Turn the bytecode cache on for this process and the ones it starts, where bytecode_cache_dir
     says it is needed; returns the folder, or None (nothing changed)."""
-    import importlib.util
-    import sys
-    spec = importlib.util.find_spec("torch")
-    package = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
-    folder = bytecode_cache_dir(package, os.environ, bool(sys.flags.dont_write_bytecode))
+    folder = bytecode_cache_dir(torch_package(), os.environ, bool(sys.flags.dont_write_bytecode))
     if folder is None:
         return None
     try:

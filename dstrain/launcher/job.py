@@ -46,14 +46,14 @@ def launch(o: LaunchOptions) -> int:
     _warn_about_launcher(o, shape, console)
     resolved = resolve(_preset(o, shape, accelerator, console), o.config_file, o.sets, world_size=shape.world,
                        accelerator=accelerator)
-    run_dir = o.run_dir or default_run_dir(resolved)
+    run_dir = Path(o.run_dir or default_run_dir(resolved))
     port = master_port(o, shape)
+    command = runner_command(o, shape.ranks, shape.nodes, run_dir, port)
     early = None
     if not o.dry_run and is_local_job(o, shape.nodes) and early_start.wanted():
-        command = runner_command(o, shape.ranks, shape.nodes, Path(run_dir), port)
         early = early_start.EarlyStart(command, rank_env(accelerator, max(shape.active.values())))
     try:
-        return _check_and_start(o, shape, resolved, accelerator, Path(run_dir), port, early, console)
+        return _check_and_start(o, shape, resolved, accelerator, run_dir, port, command, early, console)
     except BaseException:
         if early is not None:
             early.cancel()
@@ -61,7 +61,7 @@ def launch(o: LaunchOptions) -> int:
 
 
 def _check_and_start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelerator: str, run_dir: Path,
-                     port: int, early: early_start.EarlyStart | None, console: Console) -> int:
+                     port: int, command: list[str], early: early_start.EarlyStart | None, console: Console) -> int:
     """The checks that import torch and DeepSpeed, the plan, then the run directory and the ranks."""
     params = check_runtime(resolved)
     for warning in resolved.warnings:
@@ -75,21 +75,20 @@ def _check_and_start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig
         if holder is not None:
             warn(f"the run directory belongs to a running job ({holder.describe()}): this run would be refused")
         console.print(f"run directory: {run_dir} (not written: --dry-run)")
-        console.print("would run: " + shlex.join(runner_command(o, shape.ranks, shape.nodes, Path(run_dir), port)),
-                      soft_wrap=True)
+        console.print("would run: " + shlex.join(command), soft_wrap=True)
         return 0
 
     lock = prepare_run_dir(run_dir, resuming=resume_info is not None, job=_job_id(o, shape, port))
     try:
         if lock.note:
             console.print(f"[yellow]note:[/] {lock.note}", soft_wrap=True)
-        return _start(o, shape, resolved, accelerator, run_dir, resume_info, port, early, console)
+        return _start(o, shape, resolved, accelerator, run_dir, resume_info, command, early, console)
     finally:
         lock.release()
 
 
 def _start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelerator: str, run_dir: Path,
-           resume_info: dict | None, port: int, early: early_start.EarlyStart | None, console: Console) -> int:
+           resume_info: dict | None, command: list[str], early: early_start.EarlyStart | None, console: Console) -> int:
     """Write the run directory (owned by this job now), let the ranks go (or start them) and supervise."""
     if resume_info and resume_info["universal"]:
         resume_info["directory"] = str(universal_copy(Path(resume_info["directory"]), resume_info["tag"], run_dir))
@@ -101,12 +100,13 @@ def _start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelera
     if o.no_ssh and shape.nodes > 1 and o.hostfile is None:
         write_synthetic_hostfile(run_dir, shape.ranks, shape.nodes)
     console.print(f"run directory: {run_dir}")
-    command = runner_command(o, shape.ranks, shape.nodes, run_dir, port)
     started = time.time()
+    # Ranks started early have their environment already (rank_env prints its notes once).
+    env = rank_env(accelerator, max(shape.active.values())) if early is None else {}
     try:
-        code = supervise(command, rank_env(accelerator, max(shape.active.values())), run_dir, o.verbose, console,
-                         shape.own_ranks, saves=resolved.config.train.save_checkpoints,
-                         hang_timeout_s=launch_info["hang_timeout_s"], started=early.open() if early else None)
+        code = supervise(command, env, run_dir, o.verbose, console, shape.own_ranks,
+                         saves=resolved.config.train.save_checkpoints, hang_timeout_s=launch_info["hang_timeout_s"],
+                         started=early.open() if early else None)
     finally:
         if early is not None:
             early.remove()

@@ -33,7 +33,7 @@ from rich.table import Table
 
 import dstrain
 from dstrain.launcher.env_fixes import (ARCH_LIST_VAR, bytecode_cache_dir, sanitize_cuda_arch_list,
-                                        stale_extension_locks)
+                                        stale_extension_locks, torch_package)
 
 # The ops dstrain's features rely on, and what each is for.
 KEY_OPS = {
@@ -146,10 +146,7 @@ def _host(problems: Problems) -> dict[str, Any]:
 def _bytecode() -> dict[str, Any]:
     """Whether torch's bytecode is kept: without it every process that imports torch compiles it
     again (seconds), and `dstrain run` keeps it in its own cache (env_fixes.bytecode_cache_dir)."""
-    import importlib.util
-    spec = importlib.util.find_spec("torch")
-    package = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
-    folder = bytecode_cache_dir(package, os.environ, bool(sys.flags.dont_write_bytecode))
+    folder = bytecode_cache_dir(torch_package(), os.environ, bool(sys.flags.dont_write_bytecode))
     return {"prefix": os.environ.get("PYTHONPYCACHEPREFIX"), "dstrain_cache": str(folder) if folder else None}
 
 
