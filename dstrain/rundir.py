@@ -32,7 +32,7 @@ HF_LORA = "dstrain_lora.json"     # in HF_SOURCE: each LoRA layer's scaling and 
 RUN_FILES = (CONFIG, DS_CONFIG, LAUNCH)
 GAVE_UP = "run health gave up"    # how a rank's exit record starts when the run health guard gave up
 # "<pid of dstrain run>:<file>": ranks started while `dstrain run` still checks (launcher/early_start.py)
-# wait until that file says "go", and leave quietly when it says "cancel" or that process is gone.
+# wait until that file says "go", and leave quietly when that process is gone.
 START_GATE_ENV = "DSTRAIN_START_GATE"
 
 

@@ -77,8 +77,8 @@ def _prepare_while_checks_run() -> None:
 
 def _wait_at_start_gate(spec: str, caught: list[str]) -> bool:
     """Ranks started while `dstrain run` still checks (rundir.START_GATE_ENV = "PID:FILE") prepare,
-    then wait until FILE says "go". False: leave without touching the run directory (the checks
-    failed, the job was cancelled, or `dstrain run`, process PID, is gone)."""
+    then wait until FILE says "go". False: leave without touching the run directory (a stop signal
+    came, or `dstrain run`, process PID, is gone; after a failed check it kills the ranks itself)."""
     global _waited_at_gate_s
     pid_text, _, path = spec.partition(":")
     gate = Path(path)
@@ -93,7 +93,7 @@ def _wait_at_start_gate(spec: str, caught: list[str]) -> bool:
             _waited_at_gate_s = time.perf_counter() - waiting
             os.environ.pop(rundir.START_GATE_ENV, None)  # not for anything this rank starts
             return True
-        if state == "cancel" or caught or not _alive(int(pid_text)):
+        if caught or not _alive(int(pid_text)):
             return False
         time.sleep(0.02)
 
@@ -103,8 +103,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # someone else's process: alive
+        pass
     return True
 
 
