@@ -133,8 +133,9 @@ def _torch_step(config, device, world: int, local_rank: int, compile_model: bool
     return step
 
 
-def _deepspeed_step(config, ds_config: dict, device):
-    """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it."""
+def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = False):
+    """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it (+dstrain_offload: with
+    dstrain's two ZeRO-1/2 offload changes applied to the engine, for profiling them)."""
     import deepspeed
     from dstrain.models import build_model
     model = build_model(config, ds_config, device)
@@ -148,6 +149,11 @@ def _deepspeed_step(config, ds_config: dict, device):
         model.enable_checkpointing(deepspeed.checkpointing.checkpoint)
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
+    if dstrain_offload:
+        from dstrain.rank.offload_step import chunk_elements_from_env, chunk_offload_step
+        from dstrain.rank.offload_syncs import remove_offload_syncs
+        print(f"dstrain offload changes: syncs {remove_offload_syncs(engine)}, "
+              f"chunks {chunk_offload_step(engine, chunk_elements_from_env(os.environ))}", flush=True)
     if config.train.compile:
         engine.compile()
 
@@ -321,7 +327,7 @@ def worker(spec_path: Path) -> int:
     else:
         import deepspeed
         deepspeed.init_distributed()
-        step_fn, engine = _deepspeed_step(config, spec["ds_config"], device)
+        step_fn, engine = _deepspeed_step(config, spec["ds_config"], device, spec.get("dstrain_offload", False))
     rank, world = dist.get_rank(), dist.get_world_size()
     train_sampler, eval_sampler = build_samplers(config)
     t = config.train
@@ -565,6 +571,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     env = dict(os.environ, DS_ACCELERATOR=args.accelerator, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(gpus, 1))))  # as dstrain does
+    env.update(f[len("env:"):].split("=", 1) for f in flags if f.startswith("env:") and "=" in f)
     try:
         resolved = resolve(None if preset == "none" else preset, None, sets, world_size=gpus,
                            accelerator=args.accelerator, env={})
@@ -581,7 +588,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
                 "ds_config": resolved.ds_config, "result_path": str(work / f"{tag}.result.json"),
                 "profile": args.profile and runner in args.profile_runners,
                 "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags,
-                "gc_freeze": "gc_freeze" in flags}
+                "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags}
         spec_path = work / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
         Path(spec["result_path"]).unlink(missing_ok=True)
@@ -643,6 +650,8 @@ def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     Runners default to deepspeed,dstrain. Flags: +compile (torch runner: torch.compile the model),
     +dstrain_loop (deepspeed runner: drive the hand-built engine with dstrain's train loop),
     +gc_freeze (torch/deepspeed runners: gc.freeze() before the loop, as dstrain's worker does),
+    +dstrain_offload (deepspeed runner: dstrain's ZeRO-1/2 offload changes on the hand-built engine),
+    +env:NAME=VALUE (the row's processes get this environment variable, e.g. env:DSTRAIN_OFFLOAD_CHUNKS=off),
     +log_half (dstrain runner: log only at the middle and the end of the run; --log-cost uses it)."""
     head, _, body = text.partition("=")
     name, _, runners = head.partition("@")

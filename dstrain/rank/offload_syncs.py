@@ -7,9 +7,7 @@ the host, one synchronisation per parameter inside the backward, even where noth
 host from one `.item()` per parameter. For the 406M GPT that is ~400 waits a step, which keep the host
 from running ahead of the GPU (torch.profiler, one H100: docs/benchmarks.md). The replacements compute
 the same values: no tracker where it is never read, the norm from one reduction on the device.
-A third change saves a pass over the host's fp32 gradients: DeepSpeed multiplies all of them by the
-unscale/clip factor on every step, 1 included (23 ms a step for 406M parameters); here the factor is
-read once and the pass skipped when it is exactly 1 (bf16 or fp32, gradient norm under the clip).
+The optimizer step itself, done in chunks, is dstrain/rank/offload_step.py.
 """
 
 from __future__ import annotations
@@ -23,14 +21,12 @@ def remove_offload_syncs(engine) -> bool:
     optimizer, or a DeepSpeed whose offload path no longer has these methods."""
     optimizer = getattr(engine, "optimizer", None)
     needed = ("update_offload_overflow_tracker", "complete_grad_norm_calculation_for_cpu_offload",
-              "norm_for_param_grads", "check_grad_overflow", "get_param_id", "unscale_and_clip_grads",
-              "clip_grad", "loss_scale")
+              "norm_for_param_grads", "check_grad_overflow", "get_param_id")
     if not getattr(optimizer, "cpu_offload", False) or not all(hasattr(optimizer, name) for name in needed):
         return False
     if not optimizer.check_grad_overflow:  # local_overflow is read only by the overflow check
         optimizer.update_offload_overflow_tracker = _no_overflow_tracking
     optimizer.complete_grad_norm_calculation_for_cpu_offload = types.MethodType(_grad_norm_on_device, optimizer)
-    optimizer.unscale_and_clip_grads = types.MethodType(_unscale_unless_one, optimizer)
     return True
 
 
@@ -69,25 +65,3 @@ def _grad_norm_on_device(self, params):
     norm = total[0].item() ** 0.5
     return torch.tensor(norm if math.isfinite(norm) else -1.0, device=self.device, dtype=torch.float)
 
-
-def _unscale_unless_one(self, grad_groups_flat, total_norm):
-    """DeepSpeed's unscale_and_clip_grads with the factor read once (as the float32 DeepSpeed computes)
-    and no pass over the host's gradients when it is 1."""
-    import torch
-    from deepspeed.runtime.utils import is_invalid_grad_norm
-
-    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
-        return
-    combined_scale = self.loss_scale
-    if self.clip_grad > 0.:
-        clip_norm = total_norm
-        if is_invalid_grad_norm(clip_norm):  # step() refuses these; a direct caller gets no clip
-            clip_norm = torch.tensor(float("inf"), dtype=torch.float, device=self.device)
-        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
-        combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
-    factor = float(1. / combined_scale)
-    if factor == 1.0:
-        return
-    for grad in grad_groups_flat:
-        for part in (grad if isinstance(grad, list) else [grad]):
-            part.data.mul_(factor)

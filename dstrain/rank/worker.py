@@ -193,6 +193,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
 
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
+    from dstrain.rank.offload_step import chunk_elements_from_env, chunk_offload_step
     from dstrain.rank.offload_syncs import remove_offload_syncs
     from dstrain.rank.runtime import enable_activation_checkpointing
 
@@ -203,6 +204,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
     remove_offload_syncs(engine)  # ZeRO-1/2 CPU offload: no per-parameter waits for the GPU
+    chunk_offload_step(engine, chunk_elements_from_env(os.environ))  # ... and its step in cache-sized chunks
     if config.train.compile:
         engine.compile()
     return engine, model

@@ -1,0 +1,188 @@
+"""ZeRO-1/2 with the optimizer on the CPU: the optimizer step in cache-sized chunks (DeepSpeed 0.19's
+DeepSpeedZeroOptimizer with DeepSpeedCPUAdam).
+
+DeepSpeed's offload step walks the host's whole fp32 partition three times, one pass after another,
+each bound by host memory bandwidth: the unscale/clip multiply of the gradients, the Adam update, and
+the fp32 -> bf16 copy into the pinned buffer; only then does the whole bf16 partition go to the GPU.
+For the 406M GPT on one H100 host that is 23 + 81 + ~17 ms, then ~15 ms of copy with the GPU idle
+(torch.profiler, docs/benchmarks.md). Here the same three operations run one chunk at a time, so the
+Adam update and the bf16 copy find the chunk's gradients and weights still in cache, and each chunk's
+copy to the GPU starts as soon as it is written, beside the next chunk's update.
+
+The values are bit-identical to DeepSpeed's step: the same unscale factor, the same Adam kernel with
+chunks that start on its SIMD blocks (so every element takes the same vector or scalar path as in one
+call), the same rounding to bf16. Everything around the update (overflow handling, the gradient norm,
+the all-gather of the updated partitions) is DeepSpeed's own code path, called as its step calls it.
+"""
+
+from __future__ import annotations
+
+import types
+
+# 2M elements: per chunk ~36 MiB of fp32 weights, gradients, Adam moments and bf16 copy, which stays in
+# the last-level cache of a server CPU while the three operations pass over it.
+DEFAULT_CHUNK_ELEMENTS = 1 << 21
+_SIMD_BLOCK = 1024  # a multiple of DeepSpeed's widest vector step (16 floats x 8): chunk starts align to it
+
+
+def chunk_offload_step(engine, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> bool:
+    """Give `engine`'s ZeRO-1/2 CPU-offload optimizer the chunked step; False (nothing changed) for any
+    other optimizer or set-up this step does not cover (ZenFlow, Muon, torch autocast's grad scaler, CPU
+    Adagrad or Lion, fp16 master weights), or a DeepSpeed without the pieces it calls."""
+    optimizer = getattr(engine, "optimizer", None)
+    if not getattr(optimizer, "cpu_offload", False) or chunk_elements <= 0:
+        return False
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    needed = ("single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
+              "parallel_partitioned_bit16_groups", "bit16_groups_flat", "real_dp_process_group",
+              "_wait_for_offload_copies", "scaled_global_norm", "_update_scale", "reset_cpu_buffers",
+              "_release_preflattened_grad_buffers", "_lazy_init_hp_params_optimizer_state",
+              "_update_model_bit16_weights", "nccl_start_alignment_factor", "allgather_bucket_size")
+    if (type(optimizer.optimizer) is not DeepSpeedCPUAdam or getattr(optimizer, "zenflow", False)
+            or getattr(optimizer, "torch_autocast_gradscaler", None) is not None
+            or not all(hasattr(optimizer, name) for name in needed)
+            or any(p.dtype.is_floating_point and p.element_size() != 4 for p in optimizer.single_partition_of_fp32_groups)):
+        return False
+    optimizer._dstrain_chunk = max(_SIMD_BLOCK, chunk_elements // _SIMD_BLOCK * _SIMD_BLOCK)
+    optimizer._dstrain_copies_done = None
+    optimizer.step = types.MethodType(_chunked_step, optimizer)
+    return True
+
+
+def chunk_elements_from_env(env) -> int:
+    """DSTRAIN_OFFLOAD_CHUNKS: off (0/off/false/no: DeepSpeed's own step), a number of elements per chunk
+    (for tuning), or unset for the default."""
+    from dstrain.launcher.env_fixes import switched_off
+
+    value = env.get("DSTRAIN_OFFLOAD_CHUNKS", "").strip()
+    if switched_off(env, "DSTRAIN_OFFLOAD_CHUNKS"):
+        return 0
+    return int(value) if value.isdigit() else DEFAULT_CHUNK_ELEMENTS
+
+
+def unscale_factor(optimizer, total_norm) -> float:
+    """The factor DeepSpeed's unscale_and_clip_grads multiplies the gradients by (1 / (loss scale x clip)),
+    as the float32 it computes; 1.0 where it would not touch them."""
+    import torch
+    from deepspeed.runtime.utils import is_invalid_grad_norm
+
+    if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
+        return 1.0
+    combined_scale = optimizer.loss_scale
+    if optimizer.clip_grad > 0.:
+        clip_norm = total_norm
+        if is_invalid_grad_norm(clip_norm):  # step() refuses these; a direct caller gets no clip
+            clip_norm = torch.tensor(float("inf"), dtype=torch.float, device=optimizer.device)
+        clip = ((clip_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad
+        combined_scale = torch.clamp(clip, min=1.0) * optimizer.loss_scale
+    return float(1. / combined_scale)
+
+
+def _chunked_step(self, closure=None):
+    """DeepSpeedZeroOptimizer.step for CPU offload, with the update of each partition done in chunks."""
+    import torch
+    from deepspeed.runtime.utils import is_invalid_grad_norm
+    from deepspeed.runtime.zero import stage_1_and_2 as zero
+
+    self.micro_step_id = zero.INITIAL_MICRO_STEP_ID
+    self._wait_for_offload_copies()
+    self._offload_accumulated_param_ids = set()
+    if not self.compute_grad_norm:
+        self._global_grad_norm = None
+
+    self.overflow = False
+    if self.check_grad_overflow:
+        self.check_overflow(partition_gradients=self.partition_gradients)
+    scaled_global_grad_norm = None
+    if self.compute_grad_norm and not self.overflow:
+        scaled_global_grad_norm = self.scaled_global_norm()
+        if (self.dtype != torch.bfloat16 or self.check_grad_overflow) and is_invalid_grad_norm(scaled_global_grad_norm):
+            self.overflow = True
+
+    prev_scale = self.loss_scale
+    self._update_scale(self.overflow)
+    if self.overflow:  # a skipped step, as DeepSpeed skips it
+        if self.compute_grad_norm:
+            self._global_grad_norm = float("inf")
+        self.zero_grad(set_to_none=True)
+        self._release_preflattened_grad_buffers()
+        self.reset_cpu_buffers()
+        for timer in zero.OPTIMIZER_TIMERS:
+            self.timers(timer).start()
+            self.timers(timer).stop()
+        return
+
+    if scaled_global_grad_norm is not None:
+        self._global_grad_norm = scaled_global_grad_norm / prev_scale
+    factor = unscale_factor(self, scaled_global_grad_norm)
+    if self._dstrain_copies_done is not None:  # last step's copies must have left the pinned buffers
+        self._dstrain_copies_done.synchronize()
+
+    for i in range(len(self.bit16_groups)):
+        self.timers(zero.OPTIMIZER_STEP_TIMER).start()
+        partition_id = zero.dist.get_rank(group=self.real_dp_process_group[i])
+        _update_partition(self, i, partition_id, factor)
+        self._lazy_init_hp_params_optimizer_state()
+        self._release_preflattened_grad_buffers(i)
+        self.averaged_gradients[i] = None
+        self.timers(zero.OPTIMIZER_STEP_TIMER).stop()
+    self._dstrain_copies_done = _record_copies(self.parallel_partitioned_bit16_groups[0][0])
+    self.reset_cpu_buffers()
+
+    self.timers(zero.OPTIMIZER_ALLGATHER_TIMER).start()
+    zero.all_gather_dp_groups(groups_flat=self.bit16_groups_flat,
+                              partitioned_param_groups=self.parallel_partitioned_bit16_groups,
+                              dp_process_group=self.real_dp_process_group,
+                              start_alignment_factor=self.nccl_start_alignment_factor,
+                              allgather_bucket_size=self.allgather_bucket_size)
+    self.timers(zero.OPTIMIZER_ALLGATHER_TIMER).stop()
+    for i in range(len(self.bit16_groups)):
+        self._update_model_bit16_weights(i)
+    self.timers.log(zero.OPTIMIZER_TIMERS)
+
+
+def _update_partition(self, group_index: int, partition_id: int, factor: float) -> None:
+    """Unscale, Adam, round to bf16 and send to the GPU, one chunk of this rank's partition at a time:
+    what DeepSpeedCPUAdam.step and the copies after it do, in that order, per chunk."""
+    import torch
+
+    adam = self.optimizer
+    group = adam.param_groups[group_index]
+    master = self.single_partition_of_fp32_groups[group_index]  # the CPU Adam's parameter
+    host_bit16 = self.param_buffer_of_bit16_for_cpu_offload_groups[group_index]
+    device_bit16 = self.parallel_partitioned_bit16_groups[group_index][partition_id]
+    grad = master.grad
+    if grad is not None:
+        state = adam.state[master]
+        if len(state) == 0:  # DeepSpeedCPUAdam's first-step initialisation
+            state["step"] = 0
+            state_dtype = torch.float if adam.fp32_optimizer_states else master.dtype
+            state["exp_avg"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
+            state["exp_avg_sq"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+    weights = master.data
+    chunk = self._dstrain_chunk
+    for start in range(0, weights.numel(), chunk):
+        end = min(start + chunk, weights.numel())
+        if grad is not None:
+            grad_chunk = grad.data[start:end]
+            if factor != 1.0:
+                grad_chunk.mul_(factor)
+            adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
+                                         group["weight_decay"], group["bias_correction"], weights[start:end],
+                                         grad_chunk, state["exp_avg"][start:end], state["exp_avg_sq"][start:end])
+        host_bit16.data[start:end].copy_(weights[start:end])
+        device_bit16.data[start:end].copy_(host_bit16.data[start:end], non_blocking=True)
+
+
+def _record_copies(device_tensor):
+    """An event after the copies just queued to the accelerator; None where copies are synchronous (CPU)."""
+    if device_tensor.device.type == "cpu":
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    event = get_accelerator().Event()
+    event.record()
+    return event
