@@ -6,6 +6,7 @@ out the world size exactly as the deepspeed runner will from the same flags. Not
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 from dataclasses import dataclass
@@ -134,9 +135,33 @@ def own_ranks(o: LaunchOptions, active: dict[str, int]) -> range | None:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free now and out of the kernel's range for outgoing connections: the rendezvous binds it
+    seconds later (the ranks start while the checks run), and a port from that range can meanwhile be
+    taken by any connection this host opens (seen once on a GPU machine: EADDRINUSE in a rank)."""
+    low, _high = _ephemeral_range()
+    for port in random.Random().sample(range(20000, low), k=min(64, max(0, low - 20000))):
+        if _bindable(port):
+            return port
+    with socket.socket() as sock:  # no such port free: let the kernel pick one
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))  # every address, as the rendezvous store listens
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
