@@ -1,7 +1,7 @@
 """Where the host time of one ZeRO-1/2 CPU-offload optimizer step goes, without a model: DeepSpeed's
 three passes over an N-element fp32 partition (unscale multiply, CPU Adam, fp32 -> bf16 copy into a
-pinned buffer) and the copy to the GPU, timed one by one, against the same work done in chunks
-(dstrain/rank/offload_step.py). Prints a table; needs DeepSpeed's cpu_adam op (and CUDA for the copy).
+pinned buffer) and the copy to the GPU, timed one by one, against the same work done in chunks, with
+the bf16 rounding on the host or (as dstrain/rank/offload_step.py does) on the GPU. Prints a table; needs DeepSpeed's cpu_adam op (and CUDA for the copy).
 
     python3 benchmarks/offload_step_parts.py --elements 405899264
 """
@@ -48,7 +48,9 @@ def main() -> None:
             best = min(best, time.perf_counter() - start)
         return best * 1000
 
-    def chunked(chunk: int):
+    staging = torch.empty(max(int(c) for c in args.chunks.split(",")), device="cuda") if cuda else None
+
+    def chunked(chunk: int, round_on_gpu: bool = False):
         def run():
             state["step"] += 1
             b1, b2 = group["betas"]
@@ -59,6 +61,10 @@ def main() -> None:
                 adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], b1, b2, group["eps"],
                                              group["weight_decay"], group["bias_correction"], master.data[s:e], g,
                                              state["exp_avg"][s:e], state["exp_avg_sq"][s:e])
+                if round_on_gpu:  # fp32 chunk to the GPU, rounded to bf16 there
+                    staging[:e - s].copy_(master.data[s:e], non_blocking=True)
+                    device_bf16[s:e].copy_(staging[:e - s])
+                    continue
                 host_bf16[s:e].copy_(master.data[s:e])
                 if cuda:
                     device_bf16[s:e].copy_(host_bf16[s:e], non_blocking=True)
@@ -71,6 +77,8 @@ def main() -> None:
     rows.append(("sum of the four (DeepSpeed's order)", sum(ms for _, ms in rows)))
     for chunk in (int(c) for c in args.chunks.split(",")):
         rows.append((f"all four in chunks of {chunk:,}", timed(chunked(chunk))))
+        if cuda:
+            rows.append((f"  ... rounding on the GPU", timed(chunked(chunk, round_on_gpu=True))))
     print(f"{n:,} elements; torch threads {torch.get_num_threads()}; CUDA {cuda}")
     for name, ms in rows:
         print(f"{name:40} {ms:8.1f} ms")

@@ -1,4 +1,4 @@
-"""Helpers for tests that drive real DeepSpeed engines in one CPU rank (gloo), in a subprocess so its
+"""Helpers for tests that drive real DeepSpeed engines in one rank (CPU and gloo, or one GPU), in a subprocess so its
 process group stays out of the test process: a script starts with ONE_RANK_PREAMBLE (a free port,
 the rank's environment, torch and deepspeed imported, the process group up) and ends by printing
 `result(...)`; run_one_rank returns what it printed."""
@@ -18,17 +18,20 @@ ONE_RANK_PREAMBLE = textwrap.dedent("""
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import torch, deepspeed
-    deepspeed.init_distributed(dist_backend="gloo")
+    if os.environ["DS_ACCELERATOR"] == "cuda":
+        torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo")
 
     def result(value):
         print("RESULT " + json.dumps(value))
 """)
 
 
-def run_one_rank(script: str, timeout: float = 600):
-    """Run ONE_RANK_PREAMBLE + `script` on DeepSpeed's CPU accelerator; the value it passed to result()."""
+def run_one_rank(script: str, timeout: float = 600, accelerator: str = "cpu"):
+    """Run ONE_RANK_PREAMBLE + `script` on DeepSpeed's CPU accelerator (gloo) or on GPU 0 (cuda, nccl);
+    the value it passed to result()."""
     done = subprocess.run([sys.executable, "-c", ONE_RANK_PREAMBLE + textwrap.dedent(script)], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                          text=True, timeout=timeout, env={**os.environ, "DS_ACCELERATOR": accelerator})
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(line[len("RESULT "):])

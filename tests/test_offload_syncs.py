@@ -6,6 +6,7 @@ Integration lane: DeepSpeed start-up and the CPU Adam op."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from one_rank import run_one_rank
 
@@ -15,6 +16,8 @@ SCRIPT = """
     from dstrain.rank.offload_step import chunk_offload_step
     from dstrain.rank.offload_syncs import remove_offload_syncs
 
+    device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
+
     def train(stage, precision, accum, clip, patches, overflow_at=None):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
@@ -22,7 +25,7 @@ SCRIPT = """
         config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,
                   "gradient_clipping": clip,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-                  "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+                  "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": device == "cuda"}}}
         if precision == "bf16":  # as dstrain renders bf16, or with the overflow check on
             config["bf16"] = {"enabled": True, "check_grad_overflow": overflow_at is not None}
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
@@ -39,7 +42,7 @@ SCRIPT = """
             x = torch.randn(4, 32, generator=generator) * 5
             if micro == overflow_at:
                 x[0, 0] = float("inf")  # non-finite gradients: DeepSpeed skips this update
-            engine.backward(engine(x.to(dtype)).float().pow(2).mean())
+            engine.backward(engine(x.to(device=device, dtype=dtype)).float().pow(2).mean())
             engine.step()
             norm = engine.get_global_grad_norm()  # the last update's: repeated between boundaries
             if norm is not None:
@@ -47,14 +50,14 @@ SCRIPT = """
             steps_taken.append(engine.skipped_steps)
         weights = torch.cat([p.detach().float().flatten() for p in engine.module.parameters()]).tolist()
         return {"applied": applied, "tracker_patched": getattr(tracker, "__name__", "") == "_no_overflow_tracking",
-                "norms": norms, "weights": weights, "skipped": engine.skipped_steps}
+                "norms": norms, "weights": weights, "skipped": engine.skipped_steps,
+                "pinned": engine.optimizer.single_partition_of_fp32_groups[0].is_pinned()}
 
     out = {}
+    cases = CASES
     # A clip of 0.05 is below every norm here (each step clips, with the norm computed); 100 is above
     # them (the unscale factor is 1: no multiply).
-    for stage, precision, accum, clip, overflow_at in ((2, "fp32", 1, 0.05, None), (1, "fp32", 2, 0.05, None),
-                                                       (2, "bf16", 1, 0.05, None), (2, "fp32", 1, 100.0, None),
-                                                       (2, "bf16", 1, 0.05, 1)):
+    for stage, precision, accum, clip, overflow_at in cases:
         key = f"{stage}-{precision}-{accum}-clip{clip}" + ("-overflow" if overflow_at is not None else "")
         out[key] = {name: train(stage, precision, accum, clip, patches, overflow_at)
                     for name, patches in (("deepspeed", ()), ("syncs", ("syncs",)), ("dstrain", ("syncs", "chunks")))}
@@ -62,9 +65,13 @@ SCRIPT = """
 """
 
 
+ALL_CASES = ((2, "fp32", 1, 0.05, None), (1, "fp32", 2, 0.05, None), (2, "bf16", 1, 0.05, None),
+             (2, "fp32", 1, 100.0, None), (2, "bf16", 1, 0.05, 1))
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return run_one_rank(SCRIPT)
+    return run_one_rank(f"    CASES = {ALL_CASES!r}\n" + SCRIPT)
 
 
 def test_offload_optimizer_without_per_parameter_syncs_trains_as_deepspeeds_own(runs):
@@ -86,3 +93,15 @@ def test_offload_step_in_chunks_is_bit_identical_to_deepspeeds_step(runs):
     for key, by_patch in runs.items():
         assert by_patch["syncs"]["weights"] == by_patch["dstrain"]["weights"], key
         assert by_patch["syncs"]["norms"] == by_patch["dstrain"]["norms"], key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the chunked step rounds to bf16 there")
+def test_offload_step_on_a_gpu_is_bit_identical_to_deepspeeds_step():
+    """On a GPU the chunked step sends fp32 chunks and rounds them to bf16 on the device (pinned weights)."""
+    cases = ((2, "bf16", 1, 0.05, None), (1, "bf16", 2, 0.05, None), (2, "bf16", 1, 100.0, None))
+    out = run_one_rank(f"    CASES = {cases!r}\n" + SCRIPT, accelerator="cuda")
+    for key, by_patch in out.items():
+        assert by_patch["dstrain"]["applied"] == {"syncs": True, "chunks": True}, key
+        assert by_patch["dstrain"]["pinned"], key  # so the fp32 chunks go to the GPU and are rounded there
+        assert by_patch["syncs"]["weights"] == by_patch["dstrain"]["weights"], key
+        assert by_patch["dstrain"]["weights"] == pytest.approx(by_patch["deepspeed"]["weights"], rel=1e-6, abs=1e-7), key

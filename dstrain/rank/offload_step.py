@@ -1,27 +1,29 @@
 """ZeRO-1/2 with the optimizer on the CPU: the optimizer step in cache-sized chunks (DeepSpeed 0.19's
 DeepSpeedZeroOptimizer with DeepSpeedCPUAdam).
 
-DeepSpeed's offload step walks the host's whole fp32 partition three times, one pass after another,
-each bound by host memory bandwidth: the unscale/clip multiply of the gradients, the Adam update, and
-the fp32 -> bf16 copy into the pinned buffer; only then does the whole bf16 partition go to the GPU.
-For the 406M GPT on one H100 host that is 23 + 81 + ~17 ms, then ~15 ms of copy with the GPU idle
-(torch.profiler, docs/benchmarks.md). Here the same three operations run one chunk at a time, so the
-Adam update and the bf16 copy find the chunk's gradients and weights still in cache, and each chunk's
-copy to the GPU starts as soon as it is written, beside the next chunk's update.
+DeepSpeed's offload step makes three passes over the host's fp32 partition, one after another: the
+unscale/clip multiply of the gradients, the Adam update, and the fp32 -> bf16 rounding into a pinned
+buffer; only then does the whole bf16 partition go to the GPU. Timed alone on one H100 host for 406M
+elements (benchmarks/offload_step_parts.py): 25 + 84 + 30 ms, then 15 ms of copy with the GPU idle.
+Here the work goes one chunk at a time: multiply and Adam while the chunk is in cache, then the
+chunk's fp32 weights go to the GPU (pinned, asynchronous) and the GPU rounds them to bf16, so the host
+never makes the rounding pass and the copies run beside the next chunks' updates. On a CPU
+accelerator (no copy to make) the rounding stays on the host, chunk by chunk.
 
 The values are bit-identical to DeepSpeed's step: the same unscale factor, the same Adam kernel with
 chunks that start on its SIMD blocks (so every element takes the same vector or scalar path as in one
-call), the same rounding to bf16. Everything around the update (overflow handling, the gradient norm,
-the all-gather of the updated partitions) is DeepSpeed's own code path, called as its step calls it.
+call), the same round-to-nearest-even to bf16 on either device. Everything around the update
+(overflow handling, the gradient norm, the all-gather of the updated partitions) is DeepSpeed's own
+code path, called as its step calls it.
 """
 
 from __future__ import annotations
 
 import types
 
-# 2M elements: per chunk ~36 MiB of fp32 weights, gradients, Adam moments and bf16 copy, which stays in
-# the last-level cache of a server CPU while the three operations pass over it.
-DEFAULT_CHUNK_ELEMENTS = 1 << 21
+# 8M elements: the fastest of 0.5M, 2M and 8M on the H100 host (benchmarks/offload_step_parts.py); the
+# GPU staging buffer for the fp32 weights is one chunk, 32 MiB.
+DEFAULT_CHUNK_ELEMENTS = 1 << 23
 _SIMD_BLOCK = 1024  # a multiple of DeepSpeed's widest vector step (16 floats x 8): chunk starts align to it
 
 
@@ -46,6 +48,7 @@ def chunk_offload_step(engine, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> 
         return False
     optimizer._dstrain_chunk = max(_SIMD_BLOCK, chunk_elements // _SIMD_BLOCK * _SIMD_BLOCK)
     optimizer._dstrain_copies_done = None
+    optimizer._dstrain_staging = None  # one chunk of fp32 weights on the accelerator, made on first use
     optimizer.step = types.MethodType(_chunked_step, optimizer)
     return True
 
@@ -116,7 +119,7 @@ def _chunked_step(self, closure=None):
     if scaled_global_grad_norm is not None:
         self._global_grad_norm = scaled_global_grad_norm / prev_scale
     factor = unscale_factor(self, scaled_global_grad_norm)
-    if self._dstrain_copies_done is not None:  # last step's copies must have left the pinned buffers
+    if self._dstrain_copies_done is not None:  # last step's copies must have read the weights Adam writes
         self._dstrain_copies_done.synchronize()
 
     for i in range(len(self.bit16_groups)):
@@ -143,15 +146,15 @@ def _chunked_step(self, closure=None):
 
 
 def _update_partition(self, group_index: int, partition_id: int, factor: float) -> None:
-    """Unscale, Adam, round to bf16 and send to the GPU, one chunk of this rank's partition at a time:
-    what DeepSpeedCPUAdam.step and the copies after it do, in that order, per chunk."""
+    """Unscale, Adam, round to bf16 and put on the accelerator, one chunk of this rank's partition at a
+    time: what DeepSpeedCPUAdam.step and the copies after it do, per chunk."""
     import torch
 
     adam = self.optimizer
     group = adam.param_groups[group_index]
     master = self.single_partition_of_fp32_groups[group_index]  # the CPU Adam's parameter
-    host_bit16 = self.param_buffer_of_bit16_for_cpu_offload_groups[group_index]
     device_bit16 = self.parallel_partitioned_bit16_groups[group_index][partition_id]
+    round_on_device = device_bit16.device.type != "cpu" and master.is_pinned()  # pageable: DeepSpeed's way
     grad = master.grad
     if grad is not None:
         state = adam.state[master]
@@ -164,6 +167,8 @@ def _update_partition(self, group_index: int, partition_id: int, factor: float) 
         beta1, beta2 = group["betas"]
     weights = master.data
     chunk = self._dstrain_chunk
+    if round_on_device and (self._dstrain_staging is None or self._dstrain_staging.device != device_bit16.device):
+        self._dstrain_staging = torch.empty(chunk, dtype=weights.dtype, device=device_bit16.device)
     for start in range(0, weights.numel(), chunk):
         end = min(start + chunk, weights.numel())
         if grad is not None:
@@ -173,8 +178,14 @@ def _update_partition(self, group_index: int, partition_id: int, factor: float) 
             adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
                                          group["weight_decay"], group["bias_correction"], weights[start:end],
                                          grad_chunk, state["exp_avg"][start:end], state["exp_avg_sq"][start:end])
-        host_bit16.data[start:end].copy_(weights[start:end])
-        device_bit16.data[start:end].copy_(host_bit16.data[start:end], non_blocking=True)
+        if round_on_device:  # stream order keeps the staging chunk until the rounding has read it
+            staging = self._dstrain_staging[:end - start]
+            staging.copy_(weights[start:end], non_blocking=True)
+            device_bit16.data[start:end].copy_(staging)
+        else:
+            host_bit16 = self.param_buffer_of_bit16_for_cpu_offload_groups[group_index]
+            host_bit16.data[start:end].copy_(weights[start:end])
+            device_bit16.data[start:end].copy_(host_bit16.data[start:end], non_blocking=True)
 
 
 def _record_copies(device_tensor):
