@@ -56,10 +56,8 @@ def chunk_offload_step(engine, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> 
 def chunk_elements_from_env(env) -> int:
     """DSTRAIN_OFFLOAD_CHUNKS: off (0/off/false/no: DeepSpeed's own step), a number of elements per chunk
     (for tuning), or unset for the default."""
-    from dstrain.launcher.env_fixes import switched_off
-
-    value = env.get("DSTRAIN_OFFLOAD_CHUNKS", "").strip()
-    if switched_off(env, "DSTRAIN_OFFLOAD_CHUNKS"):
+    value = env.get("DSTRAIN_OFFLOAD_CHUNKS", "").strip().lower()
+    if value in ("0", "off", "false", "no"):  # as every DSTRAIN_* switch reads
         return 0
     return int(value) if value.isdigit() else DEFAULT_CHUNK_ELEMENTS
 
