@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import types
 
-# 8M elements: the fastest of 0.5M, 2M and 8M on the H100 host (benchmarks/offload_step_parts.py); the
-# GPU staging buffer for the fp32 weights is one chunk, 32 MiB.
+# 8M elements: the fastest of 0.5M to 32M on the H100 host (benchmarks/offload_step_parts.py; training
+# rows at 8M, 16M and 32M were within noise of each other). The GPU staging buffer is one chunk, 32 MiB.
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
 _SIMD_BLOCK = 1024  # a multiple of DeepSpeed's widest vector step (16 floats x 8): chunk starts align to it
 
