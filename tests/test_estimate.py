@@ -357,3 +357,21 @@ def test_every_shipped_preset_renders_to_the_placement_its_name_promises():
     assert {e.name: (e.placement.stage, e.placement.offload_optimizer, e.placement.offload_param)
             for e in estimates} == expected
     assert recommend(estimates)[0] == "stage1"
+
+
+def test_zero2_cpu_offload_counts_the_offload_steps_gpu_staging_chunk():
+    """dstrain/rank/offload_step.py rounds to bf16 on the GPU from one fp32 chunk: 32 MiB, ZeRO-1/2
+    with the optimizer on the CPU only."""
+    from dstrain.rank.offload_step import DEFAULT_CHUNK_ELEMENTS
+    from dstrain.tools.estimate.memory import OFFLOAD_STEP_CHUNK_ELEMENTS
+
+    assert OFFLOAD_STEP_CHUNK_ELEMENTS == DEFAULT_CHUNK_ELEMENTS
+    hw = node(gpus=1)
+    for stage in (1, 2):
+        est = estimate_one("s", Placement(stage, "cpu", precision="bf16"), LLAMA_7B, hw)
+        assert est.gpu_breakdown["buffers"]["offload_step_staging"] == 4 * DEFAULT_CHUNK_ELEMENTS
+    small = gpt(1_000_000, n_layer=2, d_model=128, vocab=1000)
+    assert estimate_one("s", Placement(2, "cpu", precision="bf16"), small, hw).gpu_breakdown["buffers"][
+        "offload_step_staging"] == 4 * 1_000_000
+    for placement in (Placement(2, "none", precision="bf16"), Placement(3, "cpu", precision="bf16")):
+        assert "offload_step_staging" not in estimate_one("s", placement, LLAMA_7B, hw).gpu_breakdown["buffers"]

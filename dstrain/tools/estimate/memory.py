@@ -65,6 +65,8 @@ Working buffers on the GPU:
   `stage3_max_live_parameters` (prefetched parameters count towards that limit, so
   `stage3_prefetch_bucket_size` adds nothing on top). Small persistent parameters
   (`stage3_param_persistence_threshold`) are a few MB for a GPT and are not counted.
+- ZeRO-1/2 with offload_optimizer=cpu: dstrain's offload step sends each chunk of updated fp32
+  weights to a GPU staging buffer and rounds it to bf16 there: 4 bytes x min(8M, P), 32 MiB at most.
 - gradient reduction buckets with contiguous_gradients: `reduce_bucket_size` elements of w bytes,
   two of them for stage 1/2 with overlap_comm (stage_1_and_2.py `setup_buckets`), one for stage 3.
 - a fixed runtime overhead: CUDA context, cuBLAS workspaces, NCCL communicators and allocator
@@ -110,6 +112,10 @@ HOST_BUFFER_FACTOR = 1.5
 
 BUILD_BYTES_PER_PARAM = 4
 """A model is built in fp32 on the host before DeepSpeed casts and moves it (PyTorch default dtype)."""
+
+# dstrain/rank/offload_step.py's DEFAULT_CHUNK_ELEMENTS (tools may not import the rank layer; a test
+# keeps the two equal): its GPU staging buffer holds one chunk of fp32 weights.
+OFFLOAD_STEP_CHUNK_ELEMENTS = 1 << 23
 
 ADAM_FP32_BYTES_PER_PARAM = 12
 """fp32 master weights + Adam momentum + variance (ZeRO paper's K = 12)."""
@@ -466,6 +472,10 @@ def _gpu_buffers(placement: Placement, work: Workload, w: int) -> dict[str, int]
         buffers["stage3_largest_layer"] = 2 * w * L
         live = min(P, placement.stage3_max_live_parameters)
         buffers["stage3_live_params"] = w * max(0, live - L)
+    if placement.offload_optimizer == "cpu" and stage in (1, 2):
+        # dstrain's offload step (dstrain/rank/offload_step.py) rounds to bf16 on the GPU from one chunk
+        # of fp32 weights: 32 MiB at its default chunk (at most; a smaller partition needs less).
+        buffers["offload_step_staging"] = 4 * min(OFFLOAD_STEP_CHUNK_ELEMENTS, P)
     overlap = placement.overlap_comm if placement.overlap_comm is not None else stage == 3
     if stage >= 1 and placement.contiguous_gradients:
         count = 2 if overlap and stage < 3 else 1
