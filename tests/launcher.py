@@ -21,13 +21,13 @@ def dstrain(*args: str, timeout: float = 600, env: dict | None = None) -> subpro
 
 
 def run_tiny(run_dir: Path, preset: str, *sets: str, resume: str | None = None, gpus: int = 2,
-             extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+             extra: tuple[str, ...] = (), env: dict | None = None) -> subprocess.CompletedProcess:
     args = ["run", "--preset", preset, "--accelerator", "cpu", "--gpus", str(gpus), "--run-dir", str(run_dir)]
     for item in (*TINY, *sets):
         args += ["--set", item]
     if resume:
         args += ["--resume", resume]
-    return dstrain(*args, *extra)
+    return dstrain(*args, *extra, env=env)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

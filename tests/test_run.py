@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from launcher import TINY, assert_ok, dstrain, losses, run_tiny
+from launcher import assert_ok, losses, run_tiny
 
 pytestmark = pytest.mark.integration
 
@@ -129,10 +129,7 @@ def test_stage2_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_
     runs = {}
     for name, chunks in (("chunked", "4096"), ("deepspeed", "off")):
         run_dir = tmp_path / name
-        args = ["run", "--preset", "stage2_offload", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir)]
-        for item in (*TINY, *sets):
-            args += ["--set", item]
-        assert_ok(dstrain(*args, env={"DSTRAIN_OFFLOAD_CHUNKS": chunks}))
+        assert_ok(run_tiny(run_dir, "stage2_offload", *sets, env={"DSTRAIN_OFFLOAD_CHUNKS": chunks}))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         runs[name] = [(row["step"], row["loss"], row.get("grad_norm")) for row in rows if "loss" in row]
     assert len(runs["chunked"]) == 5 and all(norm for _, _, norm in runs["chunked"])

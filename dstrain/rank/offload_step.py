@@ -53,6 +53,14 @@ def chunk_offload_step(engine, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> 
     return True
 
 
+def speed_up_offload(engine, env) -> tuple[bool, bool]:
+    """dstrain's two changes to a ZeRO-1/2 CPU-offload engine: no per-parameter waits
+    (offload_syncs.py) and this chunked step (unless DSTRAIN_OFFLOAD_CHUNKS is off); what each applied."""
+    from dstrain.rank.offload_syncs import remove_offload_syncs
+
+    return remove_offload_syncs(engine), chunk_offload_step(engine, chunk_elements_from_env(env))
+
+
 def chunk_elements_from_env(env) -> int:
     """DSTRAIN_OFFLOAD_CHUNKS: off (0/off/false/no: DeepSpeed's own step), a number of elements per chunk
     (for tuning), or unset for the default."""
@@ -62,7 +70,7 @@ def chunk_elements_from_env(env) -> int:
     return int(value) if value.isdigit() else DEFAULT_CHUNK_ELEMENTS
 
 
-def unscale_factor(optimizer, total_norm) -> float:
+def _unscale_factor(optimizer, total_norm) -> float:
     """The factor DeepSpeed's unscale_and_clip_grads multiplies the gradients by (1 / (loss scale x clip)),
     as the float32 it computes; 1.0 where it would not touch them."""
     import torch
@@ -116,7 +124,7 @@ def _chunked_step(self, closure=None):
 
     if scaled_global_grad_norm is not None:
         self._global_grad_norm = scaled_global_grad_norm / prev_scale
-    factor = unscale_factor(self, scaled_global_grad_norm)
+    factor = _unscale_factor(self, scaled_global_grad_norm)
     if self._dstrain_copies_done is not None:  # last step's copies must have read the weights Adam writes
         self._dstrain_copies_done.synchronize()
 

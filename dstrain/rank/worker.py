@@ -193,8 +193,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
 
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
-    from dstrain.rank.offload_step import chunk_elements_from_env, chunk_offload_step
-    from dstrain.rank.offload_syncs import remove_offload_syncs
+    from dstrain.rank.offload_step import speed_up_offload
     from dstrain.rank.runtime import enable_activation_checkpointing
 
     model = build_model(config, ds_config, device)
@@ -203,8 +202,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
-    remove_offload_syncs(engine)  # ZeRO-1/2 CPU offload: no per-parameter waits for the GPU
-    chunk_offload_step(engine, chunk_elements_from_env(os.environ))  # ... and its step in cache-sized chunks
+    speed_up_offload(engine, os.environ)  # ZeRO-1/2 CPU offload: no per-parameter GPU waits, a chunked step
     if config.train.compile:
         engine.compile()
     return engine, model
