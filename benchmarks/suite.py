@@ -150,7 +150,7 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     if dstrain_offload:
-        from dstrain.rank.offload_step import speed_up_offload
+        from dstrain.rank.offload import speed_up_offload
         syncs, chunks = speed_up_offload(engine, os.environ)
         print(f"dstrain offload changes: syncs {syncs}, chunks {chunks}", flush=True)
     if config.train.compile:

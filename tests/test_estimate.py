@@ -359,9 +359,9 @@ def test_every_shipped_preset_renders_to_the_placement_its_name_promises():
     assert recommend(estimates)[0] == "stage1"
 
 
-def test_zero2_cpu_offload_counts_the_offload_steps_gpu_staging_chunk():
-    """dstrain/rank/offload_step.py rounds to bf16 on the GPU from one fp32 chunk: 32 MiB, ZeRO-1/2
-    with the optimizer on the CPU only."""
+def test_cpu_offload_counts_the_offload_steps_gpu_staging_chunk():
+    """dstrain's offload steps round to bf16 on the GPU from one fp32 chunk: 32 MiB with the optimizer on
+    the CPU, 48 MiB for ZeRO-3 with the parameters there too (the bf16 chunk goes back to the host)."""
     from dstrain.rank.offload_step import DEFAULT_CHUNK_ELEMENTS
     from dstrain.tools.estimate.memory import OFFLOAD_STEP_CHUNK_ELEMENTS
 
@@ -373,5 +373,9 @@ def test_zero2_cpu_offload_counts_the_offload_steps_gpu_staging_chunk():
     small = gpt(1_000_000, n_layer=2, d_model=128, vocab=1000)
     assert estimate_one("s", Placement(2, "cpu", precision="bf16"), small, hw).gpu_breakdown["buffers"][
         "offload_step_staging"] == 4 * 1_000_000
-    for placement in (Placement(2, "none", precision="bf16"), Placement(3, "cpu", precision="bf16")):
+    zero3 = estimate_one("s", Placement(3, "cpu", precision="bf16"), LLAMA_7B, hw).gpu_breakdown["buffers"]
+    assert zero3["offload_step_staging"] == 4 * DEFAULT_CHUNK_ELEMENTS
+    zero3_params = estimate_one("s", Placement(3, "cpu", "cpu", precision="bf16"), LLAMA_7B, hw).gpu_breakdown
+    assert zero3_params["buffers"]["offload_step_staging"] == 6 * DEFAULT_CHUNK_ELEMENTS
+    for placement in (Placement(2, "none", precision="bf16"), Placement(3, "nvme", "nvme", precision="bf16")):
         assert "offload_step_staging" not in estimate_one("s", placement, LLAMA_7B, hw).gpu_breakdown["buffers"]

@@ -24,7 +24,7 @@ import types
 # 8M elements: the fastest of 0.5M to 32M on the H100 host (benchmarks/offload_step_parts.py; training
 # rows at 8M, 16M and 32M were within noise of each other). The GPU staging buffer is one chunk, 32 MiB.
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
-_SIMD_BLOCK = 1024  # a multiple of DeepSpeed's widest vector step (16 floats x 8): chunk starts align to it
+SIMD_BLOCK = 1024  # a multiple of DeepSpeed's widest vector step (16 floats x 8): chunk starts align to it
 
 
 def chunk_offload_step(engine, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> bool:
@@ -46,31 +46,14 @@ def chunk_offload_step(engine, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> 
             or not all(hasattr(optimizer, name) for name in needed)
             or any(p.dtype.is_floating_point and p.element_size() != 4 for p in optimizer.single_partition_of_fp32_groups)):
         return False
-    optimizer._dstrain_chunk = max(_SIMD_BLOCK, chunk_elements // _SIMD_BLOCK * _SIMD_BLOCK)
+    optimizer._dstrain_chunk = max(SIMD_BLOCK, chunk_elements // SIMD_BLOCK * SIMD_BLOCK)
     optimizer._dstrain_copies_done = None
     optimizer._dstrain_staging = None  # one chunk of fp32 weights on the accelerator, made on first use
     optimizer.step = types.MethodType(_chunked_step, optimizer)
     return True
 
 
-def speed_up_offload(engine, env) -> tuple[bool, bool]:
-    """dstrain's two changes to a ZeRO-1/2 CPU-offload engine: no per-parameter waits
-    (offload_syncs.py) and this chunked step (unless DSTRAIN_OFFLOAD_CHUNKS is off); what each applied."""
-    from dstrain.rank.offload_syncs import remove_offload_syncs
-
-    return remove_offload_syncs(engine), chunk_offload_step(engine, chunk_elements_from_env(env))
-
-
-def chunk_elements_from_env(env) -> int:
-    """DSTRAIN_OFFLOAD_CHUNKS: off (0/off/false/no: DeepSpeed's own step), a number of elements per chunk
-    (for tuning), or unset for the default."""
-    value = env.get("DSTRAIN_OFFLOAD_CHUNKS", "").strip().lower()
-    if value in ("0", "off", "false", "no"):  # as every DSTRAIN_* switch reads
-        return 0
-    return int(value) if value.isdigit() else DEFAULT_CHUNK_ELEMENTS
-
-
-def _unscale_factor(optimizer, total_norm) -> float:
+def unscale_factor(optimizer, total_norm) -> float:
     """The factor DeepSpeed's unscale_and_clip_grads multiplies the gradients by (1 / (loss scale x clip)),
     as the float32 it computes; 1.0 where it would not touch them."""
     import torch
@@ -124,7 +107,7 @@ def _chunked_step(self, closure=None):
 
     if scaled_global_grad_norm is not None:
         self._global_grad_norm = scaled_global_grad_norm / prev_scale
-    factor = _unscale_factor(self, scaled_global_grad_norm)
+    factor = unscale_factor(self, scaled_global_grad_norm)
     if self._dstrain_copies_done is not None:  # last step's copies must have read the weights Adam writes
         self._dstrain_copies_done.synchronize()
 
@@ -136,7 +119,7 @@ def _chunked_step(self, closure=None):
         self._release_preflattened_grad_buffers(i)
         self.averaged_gradients[i] = None
         self.timers(zero.OPTIMIZER_STEP_TIMER).stop()
-    self._dstrain_copies_done = _record_copies(self.parallel_partitioned_bit16_groups[0][0])
+    self._dstrain_copies_done = record_copies(self.parallel_partitioned_bit16_groups[0][0])
     self.reset_cpu_buffers()
 
     self.timers(zero.OPTIMIZER_ALLGATHER_TIMER).start()
@@ -194,7 +177,7 @@ def _update_partition(self, group_index: int, partition_id: int, factor: float) 
             device_bit16.data[start:end].copy_(host_bit16.data[start:end], non_blocking=True)
 
 
-def _record_copies(device_tensor):
+def record_copies(device_tensor):
     """An event after the copies just queued to the accelerator; None where copies are synchronous (CPU)."""
     if device_tensor.device.type == "cpu":
         return None

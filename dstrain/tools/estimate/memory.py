@@ -114,7 +114,7 @@ BUILD_BYTES_PER_PARAM = 4
 """A model is built in fp32 on the host before DeepSpeed casts and moves it (PyTorch default dtype)."""
 
 # dstrain/rank/offload_step.py's DEFAULT_CHUNK_ELEMENTS (tools may not import the rank layer; a test
-# keeps the two equal): its GPU staging buffer holds one chunk of fp32 weights.
+# keeps the two equal): the offload steps' GPU staging buffers hold one chunk.
 OFFLOAD_STEP_CHUNK_ELEMENTS = 1 << 23
 
 ADAM_FP32_BYTES_PER_PARAM = 12
@@ -472,10 +472,12 @@ def _gpu_buffers(placement: Placement, work: Workload, w: int) -> dict[str, int]
         buffers["stage3_largest_layer"] = 2 * w * L
         live = min(P, placement.stage3_max_live_parameters)
         buffers["stage3_live_params"] = w * max(0, live - L)
-    if placement.offload_optimizer == "cpu" and stage in (1, 2):
-        # dstrain's offload step (dstrain/rank/offload_step.py) rounds to bf16 on the GPU from one chunk
-        # of fp32 weights: 32 MiB at its default chunk (at most; a smaller partition needs less).
-        buffers["offload_step_staging"] = 4 * min(OFFLOAD_STEP_CHUNK_ELEMENTS, P)
+    if placement.offload_optimizer == "cpu":
+        # dstrain's offload steps (dstrain/rank/offload_step.py, offload_step_zero3.py) round to bf16 on
+        # the GPU from one chunk of fp32 weights, 32 MiB at the default chunk (at most: a smaller
+        # partition needs less); ZeRO-3 with the parameters on the host also stages the bf16 chunk.
+        bytes_per_element = 6 if stage == 3 and placement.offload_param == "cpu" else 4
+        buffers["offload_step_staging"] = bytes_per_element * min(OFFLOAD_STEP_CHUNK_ELEMENTS, P)
     overlap = placement.overlap_comm if placement.overlap_comm is not None else stage == 3
     if stage >= 1 and placement.contiguous_gradients:
         count = 2 if overlap and stage < 3 else 1

@@ -1,0 +1,165 @@
+"""ZeRO-3 with the optimizer on the CPU: the optimizer step in chunks, the bf16 rounding on the GPU
+(DeepSpeed 0.19's DeepSpeedZeroOptimizer_Stage3 with DeepSpeedCPUAdam).
+
+DeepSpeed's stage-3 offload step makes three host passes over each sub-group's fp32 partition, one after
+another: the unscale/clip multiply of the gradients, the Adam update, and the fp32 -> bf16 rounding
+into the bf16 partition, which with parameter offload (stage3_offload) is the pinned host copy that the
+next forward fetches from. Here the work goes one chunk at a time, as offload_step.py does for ZeRO-1/2:
+multiply and Adam while the chunk is in cache, then the chunk's fp32 weights go to the GPU (pinned,
+asynchronous), the GPU rounds them to bf16, and the bf16 chunk goes back into the host partition (or
+straight into the GPU partition without parameter offload), while the host updates the next chunk.
+The step waits for the last copy before it returns, so the next fetch reads finished weights.
+
+The fp32 masters are moved into pinned memory once, when the step is installed (DeepSpeed pins the
+gradients and bf16 partitions but not the masters, and a copy from pageable memory blocks the host).
+On a CPU accelerator, or without pinning, the rounding stays on the host, chunk by chunk.
+
+The values are bit-identical to DeepSpeed's step (tests/test_offload_step_zero3.py): the same unscale
+factor, the same Adam kernel on chunks that start on its SIMD blocks, the same round-to-nearest-even.
+The rest of the step (overflow handling, the norm, sub-group bookkeeping, the persistent parameters'
+all-gather) is DeepSpeed's own code, called in its order.
+"""
+
+from __future__ import annotations
+
+import types
+
+from dstrain.rank.offload_step import SIMD_BLOCK, record_copies, unscale_factor
+
+
+def chunk_zero3_offload_step(engine, chunk_elements: int) -> bool:
+    """Give `engine`'s ZeRO-3 CPU-offload optimizer the chunked step; False (nothing changed) for any other
+    optimizer or set-up it does not cover: NVMe swapping, partial offload (`ratio`), SuperOffload, ZenFlow,
+    Muon, torch autocast's grad scaler, another CPU optimizer, fp16 masters, or a DeepSpeed without the
+    pieces it calls."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    optimizer = getattr(engine, "optimizer", None)
+    if type(optimizer) is not DeepSpeedZeroOptimizer_Stage3 or chunk_elements <= 0:
+        return False  # SuperOffload's optimizer is a subclass with its own step: left alone
+    needed = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "fp16_groups", "subgroup_to_device",
+              "sub_group_to_group_id", "_pre_step", "_partition_all_parameters", "_get_norm_groups",
+              "_overflow_check_and_loss_scale_update", "_loss_scale_update_and_overflow_cleanup",
+              "_prepare_sub_group", "_unflatten_partitioned_parameters", "_release_sub_group", "_post_step",
+              "_apply_muon_to_accumulated_grads", "n_caching_allocator_flushes")
+    if (not getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "swap_optimizer", False)
+            or getattr(optimizer, "zenflow", False) or getattr(optimizer, "use_muon", False)
+            or getattr(optimizer, "torch_autocast_gradscaler", None) is not None
+            or type(optimizer.optimizer) is not DeepSpeedCPUAdam
+            or not all(hasattr(optimizer, name) for name in needed)):
+        return False
+    masters, bit16 = optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat
+    if (any(device != "cpu" for device in optimizer.subgroup_to_device.values())
+            or any(flat is None for flat in bit16)
+            or any(m.dtype != torch.float32 or m.device.type != "cpu" for m in masters)):
+        return False
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        for master in masters:  # pinned once: their copies to the GPU must not block the host
+            if not master.is_pinned():
+                master.data = get_accelerator().pin_memory(master.data)
+    optimizer._dstrain_chunk = max(SIMD_BLOCK, chunk_elements // SIMD_BLOCK * SIMD_BLOCK)
+    optimizer._dstrain_staging = None  # (fp32, bf16) chunks on the accelerator, made on first use
+    optimizer.step = types.MethodType(_chunked_step, optimizer)
+    return True
+
+
+def _chunked_step(self, closure=None):
+    """DeepSpeedZeroOptimizer_Stage3.step for CPU offload, with each sub-group updated in chunks."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero import stage3 as zero3
+
+    self._pre_step()
+    self._partition_all_parameters()
+    self._overflow_check_and_loss_scale_update(update_scale=False)
+    scaled_global_grad_norm = None
+    if not self.overflow:
+        self._apply_muon_to_accumulated_grads()  # returns at once without Muon, which is not installed for
+        scaled_global_grad_norm = zero3.combine_grad_norm_groups(self._get_norm_groups())
+        if zero3.is_invalid_grad_norm(scaled_global_grad_norm):
+            self.overflow = True
+    if self._loss_scale_update_and_overflow_cleanup():  # a skipped step, as DeepSpeed skips it
+        return
+    self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
+    factor = unscale_factor(self, scaled_global_grad_norm)
+
+    timer_names = {zero3.OPTIMIZER_STEP_TIMER}
+    self.timers(zero3.OPTIMIZER_STEP_TIMER).start()
+    last_copies = None
+    for sub_group_id in range(len(self.fp16_groups)):
+        self._prepare_sub_group(sub_group_id, timer_names)
+        last_copies = _update_sub_group(self, sub_group_id, factor) or last_copies
+        self._unflatten_partitioned_parameters(sub_group_id)
+        self._release_sub_group(sub_group_id, timer_names)
+    if last_copies is not None:  # the next forward fetches these weights: they must have landed
+        last_copies.synchronize()
+    self.timers(zero3.OPTIMIZER_STEP_TIMER).stop()
+    self._post_step(timer_names)
+
+    retries = get_accelerator().memory_stats().get("num_alloc_retries") or 0
+    if retries > self.n_caching_allocator_flushes:  # DeepSpeed's own warning, kept
+        if zero3.dist.get_rank() == 0:
+            zero3.logger.warning("%d pytorch allocator cache flushes since last step: high memory pressure, "
+                                 "slow; reduce memory use", retries - self.n_caching_allocator_flushes)
+        self.n_caching_allocator_flushes = retries
+
+
+def _update_sub_group(self, sub_group_id: int, factor: float):
+    """Unscale, Adam, round to bf16 into the sub-group's bf16 partition, one chunk at a time: what
+    unscale_and_clip_grads, DeepSpeedCPUAdam.step and the copy after it do. The event after the last
+    copy to or from the accelerator, or None where none was queued."""
+    import torch
+
+    adam = self.optimizer
+    group = adam.param_groups[self.sub_group_to_group_id[sub_group_id]]
+    master = self.fp32_partitioned_groups_flat[sub_group_id]
+    bit16 = self.fp16_partitioned_groups_flat[sub_group_id]
+    on_host = bit16.device.type == "cpu"
+    round_on_device = master.is_pinned() and (not on_host or bit16.is_pinned())
+    grad = master.grad
+    if grad is not None:
+        state = adam.state[master]
+        if len(state) == 0:  # DeepSpeedCPUAdam's first-step initialisation
+            state["step"] = 0
+            state_dtype = torch.float if adam.fp32_optimizer_states else master.dtype
+            state["exp_avg"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
+            state["exp_avg_sq"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+    weights, chunk = master.data, self._dstrain_chunk
+    if round_on_device:
+        device = bit16.device if not on_host else torch.device(_accelerator_device())
+        if self._dstrain_staging is None or self._dstrain_staging[0].device != device:
+            self._dstrain_staging = (torch.empty(chunk, dtype=weights.dtype, device=device),
+                                     torch.empty(chunk, dtype=bit16.dtype, device=device) if on_host else None)
+    for start in range(0, weights.numel(), chunk):
+        end = min(start + chunk, weights.numel())
+        if grad is not None:
+            grad_chunk = grad.data[start:end]
+            if factor != 1.0:
+                grad_chunk.mul_(factor)
+            adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
+                                         group["weight_decay"], group["bias_correction"], weights[start:end],
+                                         grad_chunk, state["exp_avg"][start:end], state["exp_avg_sq"][start:end])
+        if not round_on_device:
+            bit16.data[start:end].copy_(weights[start:end])
+            continue
+        # One stream: each staging chunk is read before the next chunk's copy overwrites it.
+        fp32_staging = self._dstrain_staging[0][:end - start]
+        fp32_staging.copy_(weights[start:end], non_blocking=True)
+        if on_host:
+            bit16_staging = self._dstrain_staging[1][:end - start]
+            bit16_staging.copy_(fp32_staging)
+            bit16.data[start:end].copy_(bit16_staging, non_blocking=True)
+        else:
+            bit16.data[start:end].copy_(fp32_staging)
+    return record_copies(self._dstrain_staging[0]) if round_on_device else None
+
+
+def _accelerator_device() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()

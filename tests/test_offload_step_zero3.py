@@ -1,0 +1,93 @@
+"""dstrain/rank/offload_step_zero3.py: the ZeRO-3 CPU-offload step done in chunks trains bit for bit as
+DeepSpeed's own step (real engines, DeepSpeedCPUAdam, one rank in a subprocess so its process group stays
+out of the test process). Integration lane: DeepSpeed start-up and the CPU Adam op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from one_rank import run_one_rank
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = """
+    from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
+
+    device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
+
+    def train(precision, accum, clip, offload_param, chunked, overflow_at=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                                    torch.nn.GELU(), torch.nn.Linear(64, 1))  # 6,337 parameters
+        pin = device == "cuda"
+        zero = {"stage": 3, "sub_group_size": 4000,  # two sub-groups: 4,224 and 2,113 elements
+                "stage3_param_persistence_threshold": 0,
+                "offload_optimizer": {"device": "cpu", "pin_memory": pin}}
+        if offload_param:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,
+                  "gradient_clipping": clip, "zero_optimization": zero,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+        if precision == "bf16":
+            config["bf16"] = {"enabled": True, "check_grad_overflow": overflow_at is not None}
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        # chunks of 1,024: each sub-group in several, the last one short
+        applied = chunk_zero3_offload_step(engine, 1024) if chunked else None
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        generator = torch.Generator().manual_seed(1)
+        norms = []
+        for micro in range(4 * accum):
+            x = torch.randn(4, 32, generator=generator) * 5
+            if micro == overflow_at:
+                x[0, 0] = float("inf")  # non-finite gradients: DeepSpeed skips this update
+            engine.backward(engine(x.to(device=device, dtype=dtype)).float().pow(2).mean())
+            engine.step()
+            norm = engine.get_global_grad_norm()
+            if norm is not None:
+                norms.append(float(norm))
+        optimizer = engine.optimizer
+        masters = torch.cat([m.detach().flatten() for m in optimizer.fp32_partitioned_groups_flat]).tolist()
+        bit16 = torch.cat([f.detach().float().flatten().cpu() for f in optimizer.fp16_partitioned_groups_flat]).tolist()
+        return {"applied": applied, "norms": norms, "masters": masters, "bit16": bit16,
+                "sub_groups": len(optimizer.fp16_groups), "skipped": engine.skipped_steps,
+                "pinned": all(m.is_pinned() for m in optimizer.fp32_partitioned_groups_flat)}
+
+    out = {}
+    for precision, accum, clip, offload_param, overflow_at in CASES:
+        key = f"{precision}-{accum}-clip{clip}" + ("-offload_param" if offload_param else "") + (
+            "-overflow" if overflow_at is not None else "")
+        out[key] = {name: train(precision, accum, clip, offload_param, name == "dstrain", overflow_at)
+                    for name in ("deepspeed", "dstrain")}
+    result(out)
+"""
+
+# A clip of 0.05 is below every norm here (each step clips); 100 is above them (factor 1: no multiply).
+CPU_CASES = (("bf16", 1, 0.05, True, None), ("fp32", 2, 0.05, True, None), ("bf16", 1, 100.0, False, None),
+             ("bf16", 1, 0.05, True, 1))
+
+
+def _assert_bit_identical(out: dict, on_gpu: bool) -> None:
+    for key, by_name in out.items():
+        ours, theirs = by_name["dstrain"], by_name["deepspeed"]
+        assert ours["applied"] is True and theirs["applied"] is None, key
+        assert ours["sub_groups"] == 2, key
+        assert ours["pinned"] is on_gpu, key  # pinned masters: their chunks are rounded on the GPU
+        assert len(ours["norms"]) >= 4 and ours["norms"] == theirs["norms"], key
+        assert min(n for n in theirs["norms"] if n != float("inf")) > 0.05, key
+        assert ours["masters"] == theirs["masters"], key
+        assert ours["bit16"] == theirs["bit16"], key
+        assert ours["skipped"] == theirs["skipped"] == (1 if key.endswith("overflow") else 0), key
+        assert ours["masters"] != pytest.approx([0.0] * len(ours["masters"])), key
+
+
+def test_zero3_offload_step_in_chunks_is_bit_identical_to_deepspeeds_step():
+    _assert_bit_identical(run_one_rank(f"    CASES = {CPU_CASES!r}\n" + SCRIPT), on_gpu=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the chunked step rounds to bf16 there")
+def test_zero3_offload_step_on_a_gpu_is_bit_identical_to_deepspeeds_step():
+    """On a GPU the fp32 chunks go to the device, are rounded there, and come back to the host partition
+    (parameter offload) or stay in the GPU partition (optimizer offload alone)."""
+    cases = (("bf16", 1, 0.05, True, None), ("bf16", 2, 0.05, True, None), ("bf16", 1, 100.0, False, None))
+    _assert_bit_identical(run_one_rank(f"    CASES = {cases!r}\n" + SCRIPT, accelerator="cuda"), on_gpu=True)
