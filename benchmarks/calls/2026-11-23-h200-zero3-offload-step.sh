@@ -1,5 +1,5 @@
 #!/bin/bash
-# One nvidia-h100-x1 device call (issue 13), after `source benchmarks/gpu_env.sh`: the ZeRO-3 offload step
+# One nvidia-h200 device call (issue 13), after `source benchmarks/gpu_env.sh`: the ZeRO-3 offload step
 # in chunks with the bf16 rounding on the GPU (dstrain/rank/offload_step_zero3.py). 1. its GPU test
 # (bit-identical to DeepSpeed's step); 2. stage3_offload on the 406M GPT, dstrain against
 # DSTRAIN_OFFLOAD_CHUNKS=off (DeepSpeed's step), alternating, with torch for the ratio; 3. dstrain
