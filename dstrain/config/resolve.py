@@ -121,6 +121,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     _resolve_compile(config, rendered, accelerator, notes)
     _compile_warnings(config, rendered, merged, warnings)
     _one_gpu_stage3_warning(rendered, merged, world_size, accelerator, warnings)
+    _nvme_reuse_warning(rendered, merged, warnings)
     if config.train.export_final and not config.train.save_checkpoints:
         problems.append(Problem("export_final converts the last checkpoint, but save_checkpoints is false",
                                 _where(merged, "train.export_final"),
@@ -508,6 +509,22 @@ def _one_gpu_stage3_warning(ds: dict[str, Any], merged: Merged, world: int, acce
                     "nothing (one rank holds every shard) and measured 0.61 of plain PyTorch's speed against "
                     "stage 2's 1.09 on an H200; use stage2 (or stage2_offload if it does not fit: "
                     "`dstrain estimate` compares them)")
+
+
+def _nvme_reuse_warning(ds: dict[str, Any], merged: Merged, warnings: list[str]) -> None:
+    """With parameters on NVMe, each parameter kept for reuse holds one of offload_param.buffer_count swap
+    buffers; DeepSpeed 0.19.8 ran out of them at step 2 of a 1.3B GPT (docs/benchmarks.md, finding 23)."""
+    zero = ds.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") != 3:
+        return
+    if (zero.get("offload_param") or {}).get("device") != "nvme":
+        return
+    distance = zero.get("stage3_max_reuse_distance", 1_000_000_000)  # DeepSpeed's default when unset
+    if isinstance(distance, (int, float)) and distance > 0:
+        warnings.append(f"{_where(merged, 'deepspeed.zero_optimization.stage3_max_reuse_distance')}: "
+                        f"{distance:,.0f} with parameters on NVMe keeps used parameters in the NVMe swap buffers; "
+                        "DeepSpeed 0.19.8 failed with 'Not enough buffers 0 for swapping 1' once a model had more "
+                        "than offload_param.max_in_cpu parameters; set it to 0 (as the stage3_nvme preset does)")
 
 
 def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Problem]) -> None:
