@@ -77,7 +77,7 @@ def _chunked_step(self, closure=None):
     self._overflow_check_and_loss_scale_update(update_scale=False)
     scaled_global_grad_norm = None
     if not self.overflow:
-        self._apply_muon_to_accumulated_grads()  # returns at once without Muon, which is not installed for
+        self._apply_muon_to_accumulated_grads()  # DeepSpeed's order; returns at once (never installed with Muon)
         scaled_global_grad_norm = zero3.combine_grad_norm_groups(self._get_norm_groups())
         if zero3.is_invalid_grad_norm(scaled_global_grad_norm):
             self.overflow = True
