@@ -313,7 +313,7 @@ def test_auto_that_dstrain_cannot_fill_in():
 def test_unknown_preset_lists_the_valid_ones():
     message = config_fails("--preset", "stage4")
     assert "--preset: unknown preset 'stage4'; did you mean" in message
-    assert fix_of(message, "unknown preset").startswith("choose one of: stage1, stage2, stage2_offload")
+    assert fix_of(message, "unknown preset").startswith("choose one of: stage1, stage2, stage3, stage2_offload")
 
 
 def test_unknown_preset_named_in_a_config_file(tmp_path):

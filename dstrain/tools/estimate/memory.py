@@ -1,7 +1,7 @@
 """Memory arithmetic for each ZeRO preset: GPU, host RAM and NVMe, before anything is launched.
 
 `dstrain estimate` runs `estimate_one` for every preset (fastest first: stage1, stage2,
-stage2_offload, stage3, stage3_offload, stage3_nvme) and `recommend` picks the fastest that
+stage3, stage2_offload, stage3_offload, stage3_nvme) and `recommend` picks the fastest that
 fits. Everything here is plain arithmetic on dataclasses: importing this module never imports
 torch or deepspeed (only `detect_hardware` imports torch, lazily; counting a model is
 dstrain.models.count_model), so the
