@@ -27,6 +27,33 @@ ONE_RANK_PREAMBLE = textwrap.dedent("""
 """)
 
 
+# For scripts that train a small MLP with a real engine: the model (seeded, 6,337 parameters) and a
+# training loop of random inputs, which can put a non-finite value into one micro-step's input.
+# Put it before a script's text: `TINY_MLP + SCRIPT`.
+TINY_MLP = """
+    def tiny_mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                                   torch.nn.GELU(), torch.nn.Linear(64, 1))
+
+    def train_tiny_mlp(engine, micro_steps, dtype, device, overflow_at=None):
+        # Backward and step for each micro-step; the global gradient norm after each (DeepSpeed
+        # repeats the last update's between accumulation boundaries).
+        generator = torch.Generator().manual_seed(1)
+        norms = []
+        for micro in range(micro_steps):
+            x = torch.randn(4, 32, generator=generator) * 5
+            if micro == overflow_at:
+                x[0, 0] = float("inf")  # non-finite gradients: DeepSpeed skips this update
+            engine.backward(engine(x.to(device=device, dtype=dtype)).float().pow(2).mean())
+            engine.step()
+            norm = engine.get_global_grad_norm()
+            if norm is not None:
+                norms.append(float(norm))
+        return norms
+"""  # indented as the scripts are: run_one_rank dedents the whole
+
+
 def run_one_rank(script: str, timeout: float = 600, accelerator: str = "cpu"):
     """Run ONE_RANK_PREAMBLE + `script` on DeepSpeed's CPU accelerator (gloo) or on GPU 0 (cuda, nccl);
     the value it passed to result()."""

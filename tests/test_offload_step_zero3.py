@@ -7,19 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from one_rank import run_one_rank
+from one_rank import TINY_MLP, run_one_rank
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = """
+SCRIPT = TINY_MLP + """
     from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
 
     device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
 
     def train(precision, accum, clip, offload_param, chunked, overflow_at=None):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
-                                    torch.nn.GELU(), torch.nn.Linear(64, 1))  # 6,337 parameters
+        model = tiny_mlp()  # 6,337 parameters
         pin = device == "cuda"
         zero = {"stage": 3, "sub_group_size": 4000,  # two sub-groups: 4,224 and 2,113 elements
                 "stage3_param_persistence_threshold": 0,
@@ -35,17 +33,7 @@ SCRIPT = """
         # chunks of 1,024: each sub-group in several, the last one short
         applied = chunk_zero3_offload_step(engine, 1024) if chunked else None
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        generator = torch.Generator().manual_seed(1)
-        norms = []
-        for micro in range(4 * accum):
-            x = torch.randn(4, 32, generator=generator) * 5
-            if micro == overflow_at:
-                x[0, 0] = float("inf")  # non-finite gradients: DeepSpeed skips this update
-            engine.backward(engine(x.to(device=device, dtype=dtype)).float().pow(2).mean())
-            engine.step()
-            norm = engine.get_global_grad_norm()
-            if norm is not None:
-                norms.append(float(norm))
+        norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)
         optimizer = engine.optimizer
         masters = torch.cat([m.detach().flatten() for m in optimizer.fp32_partitioned_groups_flat]).tolist()
         bit16 = torch.cat([f.detach().float().flatten().cpu() for f in optimizer.fp16_partitioned_groups_flat]).tolist()

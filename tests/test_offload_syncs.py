@@ -8,20 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from one_rank import run_one_rank
+from one_rank import TINY_MLP, run_one_rank
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = """
+SCRIPT = TINY_MLP + """
     from dstrain.rank.offload_step import chunk_offload_step
     from dstrain.rank.offload_syncs import remove_offload_syncs
 
     device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
 
     def train(stage, precision, accum, clip, patches, overflow_at=None):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
-                                    torch.nn.GELU(), torch.nn.Linear(64, 1))  # 6,337 parameters
+        model = tiny_mlp()
         config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,
                   "gradient_clipping": clip,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
@@ -36,18 +34,7 @@ SCRIPT = """
             applied["chunks"] = chunk_offload_step(engine, chunk_elements=1024)
         tracker = engine.optimizer.update_offload_overflow_tracker
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        generator = torch.Generator().manual_seed(1)
-        norms, steps_taken = [], []
-        for micro in range(4 * accum):
-            x = torch.randn(4, 32, generator=generator) * 5
-            if micro == overflow_at:
-                x[0, 0] = float("inf")  # non-finite gradients: DeepSpeed skips this update
-            engine.backward(engine(x.to(device=device, dtype=dtype)).float().pow(2).mean())
-            engine.step()
-            norm = engine.get_global_grad_norm()  # the last update's: repeated between boundaries
-            if norm is not None:
-                norms.append(float(norm))
-            steps_taken.append(engine.skipped_steps)
+        norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)
         weights = torch.cat([p.detach().float().flatten() for p in engine.module.parameters()]).tolist()
         return {"applied": applied, "tracker_patched": getattr(tracker, "__name__", "") == "_no_overflow_tracking",
                 "norms": norms, "weights": weights, "skipped": engine.skipped_steps,

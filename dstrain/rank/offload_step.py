@@ -144,29 +144,15 @@ def _update_partition(self, group_index: int, partition_id: int, factor: float) 
     master = self.single_partition_of_fp32_groups[group_index]  # the CPU Adam's parameter
     device_bit16 = self.parallel_partitioned_bit16_groups[group_index][partition_id]
     round_on_device = device_bit16.device.type != "cpu" and master.is_pinned()  # pageable: DeepSpeed's way
-    grad = master.grad
-    if grad is not None:
-        state = adam.state[master]
-        if len(state) == 0:  # DeepSpeedCPUAdam's first-step initialisation
-            state["step"] = 0
-            state_dtype = torch.float if adam.fp32_optimizer_states else master.dtype
-            state["exp_avg"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
-            state["exp_avg_sq"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
+    update = adam_chunk_update(adam, group, master, factor)
     weights = master.data
     chunk = self._dstrain_chunk
     if round_on_device and (self._dstrain_staging is None or self._dstrain_staging.device != device_bit16.device):
         self._dstrain_staging = torch.empty(chunk, dtype=weights.dtype, device=device_bit16.device)
     for start in range(0, weights.numel(), chunk):
         end = min(start + chunk, weights.numel())
-        if grad is not None:
-            grad_chunk = grad.data[start:end]
-            if factor != 1.0:
-                grad_chunk.mul_(factor)
-            adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
-                                         group["weight_decay"], group["bias_correction"], weights[start:end],
-                                         grad_chunk, state["exp_avg"][start:end], state["exp_avg_sq"][start:end])
+        if update is not None:
+            update(start, end)
         if round_on_device:  # stream order keeps the staging chunk until the rounding has read it
             staging = self._dstrain_staging[:end - start]
             staging.copy_(weights[start:end], non_blocking=True)
@@ -175,6 +161,36 @@ def _update_partition(self, group_index: int, partition_id: int, factor: float) 
             host_bit16 = self.param_buffer_of_bit16_for_cpu_offload_groups[group_index]
             host_bit16.data[start:end].copy_(weights[start:end])
             device_bit16.data[start:end].copy_(host_bit16.data[start:end], non_blocking=True)
+
+
+def adam_chunk_update(adam, group: dict, master, factor: float):
+    """DeepSpeedCPUAdam.step for one fp32 partition, cut by chunk: it counts the step (initialising the
+    moments on the first, as DeepSpeedCPUAdam does) and returns update(start, end), which unscales that
+    chunk of the gradient by `factor` and runs DeepSpeed's Adam kernel on it; None without a gradient.
+    Chunks must start on SIMD_BLOCK boundaries for the values to be DeepSpeed's."""
+    import torch
+
+    grad = master.grad
+    if grad is None:
+        return None
+    state = adam.state[master]
+    if len(state) == 0:  # DeepSpeedCPUAdam's first-step initialisation
+        state["step"] = 0
+        state_dtype = torch.float if adam.fp32_optimizer_states else master.dtype
+        state["exp_avg"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
+        state["exp_avg_sq"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
+    state["step"] += 1
+    beta1, beta2 = group["betas"]
+    weights = master.data
+
+    def update(start: int, end: int) -> None:
+        grad_chunk = grad.data[start:end]
+        if factor != 1.0:
+            grad_chunk.mul_(factor)
+        adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
+                                     group["weight_decay"], group["bias_correction"], weights[start:end],
+                                     grad_chunk, state["exp_avg"][start:end], state["exp_avg_sq"][start:end])
+    return update
 
 
 def record_copies(device_tensor):

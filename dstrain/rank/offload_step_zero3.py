@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import types
 
-from dstrain.rank.offload_step import SIMD_BLOCK, record_copies, unscale_factor
+from dstrain.rank.offload_step import SIMD_BLOCK, adam_chunk_update, record_copies, unscale_factor
 
 
 def chunk_zero3_offload_step(engine, chunk_elements: int) -> bool:
@@ -88,14 +88,14 @@ def _chunked_step(self, closure=None):
 
     timer_names = {zero3.OPTIMIZER_STEP_TIMER}
     self.timers(zero3.OPTIMIZER_STEP_TIMER).start()
-    last_copies = None
     for sub_group_id in range(len(self.fp16_groups)):
         self._prepare_sub_group(sub_group_id, timer_names)
-        last_copies = _update_sub_group(self, sub_group_id, factor) or last_copies
+        _update_sub_group(self, sub_group_id, factor)
         self._unflatten_partitioned_parameters(sub_group_id)
         self._release_sub_group(sub_group_id, timer_names)
-    if last_copies is not None:  # the next forward fetches these weights: they must have landed
-        last_copies.synchronize()
+    copies = record_copies(self._dstrain_staging[0]) if self._dstrain_staging is not None else None
+    if copies is not None:  # the next forward fetches these weights: they must have landed
+        copies.synchronize()
     self.timers(zero3.OPTIMIZER_STEP_TIMER).stop()
     self._post_step(timer_names)
 
@@ -107,11 +107,11 @@ def _chunked_step(self, closure=None):
         self.n_caching_allocator_flushes = retries
 
 
-def _update_sub_group(self, sub_group_id: int, factor: float):
+def _update_sub_group(self, sub_group_id: int, factor: float) -> None:
     """Unscale, Adam, round to bf16 into the sub-group's bf16 partition, one chunk at a time: what
-    unscale_and_clip_grads, DeepSpeedCPUAdam.step and the copy after it do. The event after the last
-    copy to or from the accelerator, or None where none was queued."""
+    unscale_and_clip_grads, DeepSpeedCPUAdam.step and the copy after it do."""
     import torch
+    from deepspeed.accelerator import get_accelerator
 
     adam = self.optimizer
     group = adam.param_groups[self.sub_group_to_group_id[sub_group_id]]
@@ -119,31 +119,17 @@ def _update_sub_group(self, sub_group_id: int, factor: float):
     bit16 = self.fp16_partitioned_groups_flat[sub_group_id]
     on_host = bit16.device.type == "cpu"
     round_on_device = master.is_pinned() and (not on_host or bit16.is_pinned())
-    grad = master.grad
-    if grad is not None:
-        state = adam.state[master]
-        if len(state) == 0:  # DeepSpeedCPUAdam's first-step initialisation
-            state["step"] = 0
-            state_dtype = torch.float if adam.fp32_optimizer_states else master.dtype
-            state["exp_avg"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
-            state["exp_avg_sq"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
+    update = adam_chunk_update(adam, group, master, factor)
     weights, chunk = master.data, self._dstrain_chunk
     if round_on_device:
-        device = bit16.device if not on_host else torch.device(_accelerator_device())
+        device = bit16.device if not on_host else torch.device(get_accelerator().current_device_name())
         if self._dstrain_staging is None or self._dstrain_staging[0].device != device:
             self._dstrain_staging = (torch.empty(chunk, dtype=weights.dtype, device=device),
                                      torch.empty(chunk, dtype=bit16.dtype, device=device) if on_host else None)
     for start in range(0, weights.numel(), chunk):
         end = min(start + chunk, weights.numel())
-        if grad is not None:
-            grad_chunk = grad.data[start:end]
-            if factor != 1.0:
-                grad_chunk.mul_(factor)
-            adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
-                                         group["weight_decay"], group["bias_correction"], weights[start:end],
-                                         grad_chunk, state["exp_avg"][start:end], state["exp_avg_sq"][start:end])
+        if update is not None:
+            update(start, end)
         if not round_on_device:
             bit16.data[start:end].copy_(weights[start:end])
             continue
@@ -156,10 +142,3 @@ def _update_sub_group(self, sub_group_id: int, factor: float):
             bit16.data[start:end].copy_(bit16_staging, non_blocking=True)
         else:
             bit16.data[start:end].copy_(fp32_staging)
-    return record_copies(self._dstrain_staging[0]) if round_on_device else None
-
-
-def _accelerator_device() -> str:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().current_device_name()
