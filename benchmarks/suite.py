@@ -135,7 +135,7 @@ def _torch_step(config, device, world: int, local_rank: int, compile_model: bool
 
 def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = False):
     """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it (+dstrain_offload: with
-    dstrain's two ZeRO-1/2 offload changes applied to the engine, for profiling them)."""
+    dstrain's offload changes applied to the engine, to measure them one by one)."""
     import deepspeed
     from dstrain.models import build_model
     model = build_model(config, ds_config, device)
@@ -151,8 +151,8 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     if dstrain_offload:
         from dstrain.rank.offload import speed_up_offload
-        syncs, chunks = speed_up_offload(engine, os.environ)
-        print(f"dstrain offload changes: syncs {syncs}, chunks {chunks}", flush=True)
+        applied = speed_up_offload(engine, os.environ)
+        print("dstrain offload changes: " + ", ".join(f"{k} {v}" for k, v in applied.items()), flush=True)
     if config.train.compile:
         engine.compile()
 
@@ -278,6 +278,34 @@ def _profile(step_fn, next_batch, device, steps: int) -> dict:
     return {"kernel_ms_per_step": kernel_us / 1000 / steps, "top_device": by_device, "top_host": by_host}
 
 
+def _phase_times(engine, next_batch, device, steps: int) -> dict:
+    """Median milliseconds of forward, backward and optimizer step over `steps` steps, the device
+    synchronised between phases: where a step's time goes, at the price of the overlap between them."""
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times = {"forward": [], "backward": [], "step": []}
+    for _ in range(steps):
+        batch = next_batch()
+        sync()
+        t0 = time.perf_counter()
+        loss = engine(batch)
+        sync()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        sync()
+        t2 = time.perf_counter()
+        engine.step()
+        sync()
+        t3 = time.perf_counter()
+        for name, seconds in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2)):
+            times[name].append(seconds * 1000)
+    return {name: round(statistics.median(values), 1) for name, values in times.items()}
+
+
 def _run_dstrain_loop(engine, config, run_dir: Path, train_sampler, eval_sampler, device, rank: int,
                       world: int) -> list[dict]:
     """Diagnostic (+dstrain_loop): this process's engine driven by dstrain's own train loop, which
@@ -368,6 +396,11 @@ def worker(spec_path: Path) -> int:
         result["profile"] = _profile(
             step_fn, lambda: _to_device(rank_batch(train_sampler, next(counter), 0, rank, world,
                                                    t.micro_batch_size, 1), device), device, 4)
+    if spec.get("phases") and spec["runner"] == "deepspeed":
+        counter = iter(range(t.max_steps + 10, 10**9))
+        result["phases_ms"] = _phase_times(
+            engine, lambda: _to_device(rank_batch(train_sampler, next(counter), 0, rank, world,
+                                                  t.micro_batch_size, 1), device), device, 6)
     if rank == 0:
         Path(spec["result_path"]).write_text(json.dumps(result))
     dist.barrier()
@@ -587,7 +620,8 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
                 "ds_config": resolved.ds_config, "result_path": str(work / f"{tag}.result.json"),
                 "profile": args.profile and runner in args.profile_runners,
                 "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags,
-                "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags}
+                "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags,
+                "phases": "phases" in flags}
         spec_path = work / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
         Path(spec["result_path"]).unlink(missing_ok=True)
@@ -620,8 +654,9 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
             result = json.loads(Path(spec["result_path"]).read_text())
             intervals = result["intervals"]
             row["peak_gpu_gib"] = result["peak_gpu_gib"]
-            if "profile" in result:
-                row["profile"] = result["profile"]
+            for key in ("profile", "phases_ms"):
+                if key in result:
+                    row[key] = result[key]
         tokens_per_step = args.micro_batch * max(gpus, 1) * args.seq_len
         summary = _summarise(intervals, warmup, tokens_per_step)
     except (OSError, KeyError, IndexError, ValueError, statistics.StatisticsError) as err:
@@ -649,7 +684,9 @@ def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     Runners default to deepspeed,dstrain. Flags: +compile (torch runner: torch.compile the model),
     +dstrain_loop (deepspeed runner: drive the hand-built engine with dstrain's train loop),
     +gc_freeze (torch/deepspeed runners: gc.freeze() before the loop, as dstrain's worker does),
-    +dstrain_offload (deepspeed runner: dstrain's ZeRO-1/2 offload changes on the hand-built engine),
+    +dstrain_offload (deepspeed runner: dstrain's offload changes on the hand-built engine),
+    +phases (deepspeed runner: after the measured loop, 6 steps timed phase by phase, forward, backward
+    and optimizer step, with the device synchronised between them),
     +env:NAME=VALUE (the row's processes get this environment variable, e.g. env:DSTRAIN_OFFLOAD_CHUNKS=off),
     +log_half (dstrain runner: log only at the middle and the end of the run; --log-cost uses it)."""
     head, _, body = text.partition("=")
@@ -825,6 +862,9 @@ def main(argv: list[str]) -> int:
                  f"(spread {row['spread']:.1%})  GPU {row['peak_gpu_gib']} GiB  RSS {row['host_rss_gib']} GiB  "
                  f"first step {row['first_step_s']} s  wall {row['wall_s']} s  {row['status']}"
                  if rate else f"{row['status']}" + "".join("\n    | " + line for line in row.get("log_tail", []))), flush=True)
+        if row.get("phases_ms"):
+            print("  phases (ms, synchronised): " + ", ".join(f"{k} {v}" for k, v in row["phases_ms"].items()),
+                  flush=True)
         if row.get("profile"):
             prof = row["profile"]
             print(f"  profile: device kernels {prof['kernel_ms_per_step']:.1f} ms per step of {row['step_ms']:.1f} ms "

@@ -1,6 +1,7 @@
-"""dstrain/rank/offload_step_zero3.py: the ZeRO-3 CPU-offload step done in chunks trains bit for bit as
-DeepSpeed's own step (real engines, DeepSpeedCPUAdam, one rank in a subprocess so its process group stays
-out of the test process). Integration lane: DeepSpeed start-up and the CPU Adam op."""
+"""dstrain/rank/offload_step_zero3.py and offload_grads_zero3.py: ZeRO-3 CPU offload with the step done
+in chunks and each gradient copied to the host once trains bit for bit as DeepSpeed's own step and copies
+(real engines, DeepSpeedCPUAdam, one rank in a subprocess so its process group stays out of the test
+process). Integration lane: DeepSpeed start-up and the CPU Adam op."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from one_rank import TINY_MLP, run_one_rank
 pytestmark = pytest.mark.integration
 
 SCRIPT = TINY_MLP + """
+    from dstrain.rank.offload_grads_zero3 import direct_zero3_offload_grads
     from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
 
     device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
 
-    def train(precision, accum, clip, offload_param, chunked, overflow_at=None):
+    def train(precision, accum, clip, offload_param, chunked, overflow_at=None, accum_dtype=None):
         model = tiny_mlp()  # 6,337 parameters
         pin = device == "cuda"
         zero = {"stage": 3, "sub_group_size": 4000,  # two sub-groups: 4,224 and 2,113 elements
@@ -29,9 +31,11 @@ SCRIPT = TINY_MLP + """
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
         if precision == "bf16":
             config["bf16"] = {"enabled": True, "check_grad_overflow": overflow_at is not None}
+        if accum_dtype:
+            config["data_types"] = {"grad_accum_dtype": accum_dtype}
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         # chunks of 1,024: each sub-group in several, the last one short
-        applied = chunk_zero3_offload_step(engine, 1024) if chunked else None
+        applied = (chunk_zero3_offload_step(engine, 1024), direct_zero3_offload_grads(engine)) if chunked else None
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)
         optimizer = engine.optimizer
@@ -39,26 +43,31 @@ SCRIPT = TINY_MLP + """
         bit16 = torch.cat([f.detach().float().flatten().cpu() for f in optimizer.fp16_partitioned_groups_flat]).tolist()
         return {"applied": applied, "norms": norms, "masters": masters, "bit16": bit16,
                 "sub_groups": len(optimizer.fp16_groups), "skipped": engine.skipped_steps,
+                # DeepSpeed's host copy of the gradient partitions: the direct copy leaves it unwritten
+                "host_buffer_written": bool(optimizer.grad_partitions_flat_buffer.abs().sum() > 0),
                 "pinned": all(m.is_pinned() for m in optimizer.fp32_partitioned_groups_flat)}
 
     out = {}
-    for precision, accum, clip, offload_param, overflow_at in CASES:
+    for precision, accum, clip, offload_param, overflow_at, accum_dtype in CASES:
         key = f"{precision}-{accum}-clip{clip}" + ("-offload_param" if offload_param else "") + (
-            "-overflow" if overflow_at is not None else "")
-        out[key] = {name: train(precision, accum, clip, offload_param, name == "dstrain", overflow_at)
+            "-overflow" if overflow_at is not None else "") + (f"-accum_{accum_dtype}" if accum_dtype else "")
+        out[key] = {name: train(precision, accum, clip, offload_param, name == "dstrain", overflow_at, accum_dtype)
                     for name in ("deepspeed", "dstrain")}
     result(out)
 """
 
 # A clip of 0.05 is below every norm here (each step clips); 100 is above them (factor 1: no multiply).
-CPU_CASES = (("bf16", 1, 0.05, True, None), ("fp32", 2, 0.05, True, None), ("bf16", 1, 100.0, False, None),
-             ("bf16", 1, 0.05, True, 1))
+# Accumulation 2 takes DeepSpeed's gradient copies at each micro-step (the direct copy is for a step's only
+# micro-step); grad_accum_dtype fp32 widens bf16 gradients in the host buffer that the direct copy skips.
+CPU_CASES = (("bf16", 1, 0.05, True, None, None), ("fp32", 2, 0.05, True, None, None),
+             ("bf16", 1, 100.0, False, None, None), ("bf16", 1, 0.05, True, 1, None),
+             ("bf16", 1, 0.05, True, None, "fp32"))
 
 
 def _assert_bit_identical(out: dict, on_gpu: bool) -> None:
     for key, by_name in out.items():
         ours, theirs = by_name["dstrain"], by_name["deepspeed"]
-        assert ours["applied"] is True and theirs["applied"] is None, key
+        assert ours["applied"] == [True, True] and theirs["applied"] is None, key
         assert ours["sub_groups"] == 2, key
         assert ours["pinned"] is on_gpu, key  # pinned masters: their chunks are rounded on the GPU
         assert len(ours["norms"]) >= 4 and ours["norms"] == theirs["norms"], key
@@ -66,10 +75,12 @@ def _assert_bit_identical(out: dict, on_gpu: bool) -> None:
         assert ours["masters"] == theirs["masters"], key
         assert ours["bit16"] == theirs["bit16"], key
         assert ours["skipped"] == theirs["skipped"] == (1 if key.endswith("overflow") else 0), key
+        assert theirs["host_buffer_written"] is True, key
+        assert ours["host_buffer_written"] is key.startswith(("bf16-2", "fp32-2")), key  # accumulating
         assert ours["masters"] != pytest.approx([0.0] * len(ours["masters"])), key
 
 
-def test_zero3_offload_step_in_chunks_is_bit_identical_to_deepspeeds_step():
+def test_zero3_offload_step_in_chunks_and_direct_grads_are_bit_identical_to_deepspeeds():
     _assert_bit_identical(run_one_rank(f"    CASES = {CPU_CASES!r}\n" + SCRIPT), on_gpu=False)
 
 
@@ -77,5 +88,6 @@ def test_zero3_offload_step_in_chunks_is_bit_identical_to_deepspeeds_step():
 def test_zero3_offload_step_on_a_gpu_is_bit_identical_to_deepspeeds_step():
     """On a GPU the fp32 chunks go to the device, are rounded there, and come back to the host partition
     (parameter offload) or stay in the GPU partition (optimizer offload alone)."""
-    cases = (("bf16", 1, 0.05, True, None), ("bf16", 2, 0.05, True, None), ("bf16", 1, 100.0, False, None))
+    cases = (("bf16", 1, 0.05, True, None, None), ("bf16", 2, 0.05, True, None, None),
+             ("bf16", 1, 100.0, False, None, None), ("bf16", 1, 0.05, True, None, "fp32"))
     _assert_bit_identical(run_one_rank(f"    CASES = {cases!r}\n" + SCRIPT, accelerator="cuda"), on_gpu=True)

@@ -124,14 +124,16 @@ def test_save_checkpoints_false_trains_and_evaluates_but_writes_no_checkpoint(tm
 
 @pytest.mark.parametrize("preset", ["stage2_offload", "stage3_offload"])
 def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(tmp_path, preset):
-    """dstrain/rank/offload_step.py (ZeRO-1/2) and offload_step_zero3.py against DeepSpeed's own step
-    (DSTRAIN_OFFLOAD_CHUNKS=off), two ranks each updating its partition in 4,096-element chunks: the same
-    losses and gradient norms, bit for bit."""
+    """dstrain/rank/offload_step.py (ZeRO-1/2), offload_step_zero3.py and offload_grads_zero3.py against
+    DeepSpeed's own step and gradient copies (DSTRAIN_OFFLOAD_CHUNKS=off, DSTRAIN_OFFLOAD_GRADS=off), two
+    ranks each updating its partition in 4,096-element chunks: the same losses and gradient norms, bit
+    for bit."""
     sets = ("train.max_steps=5", "train.log_every=1", "train.save_every=5", "train.lr=3e-3")
     runs = {}
-    for name, chunks in (("chunked", "4096"), ("deepspeed", "off")):
+    for name, chunks, grads in (("chunked", "4096", "on"), ("deepspeed", "off", "off")):
         run_dir = tmp_path / name
-        assert_ok(run_tiny(run_dir, preset, *sets, env={"DSTRAIN_OFFLOAD_CHUNKS": chunks}))
+        env = {"DSTRAIN_OFFLOAD_CHUNKS": chunks, "DSTRAIN_OFFLOAD_GRADS": grads}
+        assert_ok(run_tiny(run_dir, preset, *sets, env=env))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         runs[name] = [(row["step"], row["loss"], row.get("grad_norm")) for row in rows if "loss" in row]
     assert len(runs["chunked"]) == 5 and all(norm for _, _, norm in runs["chunked"])

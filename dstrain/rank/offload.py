@@ -1,26 +1,34 @@
 """dstrain's changes to DeepSpeed's CPU-offload optimizers, applied to a built engine: ZeRO-1/2 without
-per-parameter GPU waits (offload_syncs.py), and the optimizer step in chunks with the bf16 rounding on the
-GPU (offload_step.py for ZeRO-1/2, offload_step_zero3.py for ZeRO-3). Each leaves an engine it does not
+per-parameter GPU waits (offload_syncs.py), ZeRO-3's gradients copied to the host once
+(offload_grads_zero3.py), and the optimizer step in chunks with the bf16 rounding on the GPU
+(offload_step.py for ZeRO-1/2, offload_step_zero3.py for ZeRO-3). Each leaves an engine it does not
 cover as it is."""
 
 from __future__ import annotations
 
+from dstrain.rank.offload_grads_zero3 import direct_zero3_offload_grads
 from dstrain.rank.offload_step import DEFAULT_CHUNK_ELEMENTS, chunk_offload_step
 from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
 from dstrain.rank.offload_syncs import remove_offload_syncs
 
 
-def speed_up_offload(engine, env) -> tuple[bool, bool]:
-    """Apply what covers `engine` (the chunked steps unless DSTRAIN_OFFLOAD_CHUNKS is off); what applied:
-    (ZeRO-1/2 without per-parameter waits, a chunked step)."""
+def speed_up_offload(engine, env) -> dict[str, bool]:
+    """Apply what covers `engine`; which changes applied. DSTRAIN_OFFLOAD_CHUNKS=off keeps DeepSpeed's
+    step, DSTRAIN_OFFLOAD_GRADS=off its ZeRO-3 gradient copies (for measuring each change)."""
     chunk = chunk_elements_from_env(env)
-    return remove_offload_syncs(engine), chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)
+    return {"syncs": remove_offload_syncs(engine),
+            "grads": _switched_on(env, "DSTRAIN_OFFLOAD_GRADS") and direct_zero3_offload_grads(engine),
+            "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
 
 
 def chunk_elements_from_env(env) -> int:
     """DSTRAIN_OFFLOAD_CHUNKS: off (0/off/false/no: DeepSpeed's own step), a number of elements per chunk
     (for tuning), or unset for the default."""
     value = env.get("DSTRAIN_OFFLOAD_CHUNKS", "").strip().lower()
-    if value in ("0", "off", "false", "no"):  # as every DSTRAIN_* switch reads
+    if not _switched_on(env, "DSTRAIN_OFFLOAD_CHUNKS"):
         return 0
     return int(value) if value.isdigit() else DEFAULT_CHUNK_ELEMENTS
+
+
+def _switched_on(env, name: str) -> bool:
+    return env.get(name, "").strip().lower() not in ("0", "off", "false", "no")  # as every DSTRAIN_* switch reads
