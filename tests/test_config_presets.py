@@ -179,3 +179,19 @@ def test_nvme_parameters_held_for_reuse_are_warned_about_and_the_preset_releases
     warning = next(w for w in kept.warnings if "stage3_max_reuse_distance" in w)
     assert "--set" in warning and "1,000,000,000" in warning and "set it to 0" in warning
     assert not any("stage3_max_reuse_distance" in w for w in resolve(preset="stage3_offload", env=NO_ENV).warnings)
+
+
+def test_partial_optimizer_offload_is_warned_about():
+    """offload_optimizer.ratio < 1 sends part of ZeRO-3's optimizer to a second optimizer that DeepSpeed
+    0.19.8 never gives the scheduler's learning rate and leaves out of checkpoints; it also measured 4-5x
+    slower (docs/benchmarks.md, finding 25). The presets do not set it; a config that does is told."""
+    key = "deepspeed.zero_optimization.offload_optimizer.ratio"
+    assert not any("offload_optimizer.ratio" in w for w in resolve(preset="stage3_offload", env=NO_ENV).warnings)
+    partial = resolve(preset="stage3_offload", sets=[f"{key}=0.5"], env=NO_ENV)
+    warning = next(w for w in partial.warnings if "offload_optimizer.ratio" in w)
+    assert "--set" in warning and "0.5" in warning and "learning rate" in warning and "remove the key" in warning
+    assert not any("offload_optimizer.ratio" in w for w in resolve(preset="stage3_offload", sets=[f"{key}=1.0"],
+                                                                 env=NO_ENV).warnings)
+    # ZeRO-1/2 has no partial offload: DeepSpeed ignores the key there
+    assert not any("offload_optimizer.ratio" in w for w in resolve(preset="stage2_offload", sets=[f"{key}=0.5"],
+                                                                 env=NO_ENV).warnings)

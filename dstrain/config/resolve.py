@@ -122,6 +122,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     _compile_warnings(config, rendered, merged, warnings)
     _one_gpu_stage3_warning(rendered, merged, world_size, accelerator, warnings)
     _nvme_reuse_warning(rendered, merged, warnings)
+    _partial_offload_warning(rendered, merged, warnings)
     if config.train.export_final and not config.train.save_checkpoints:
         problems.append(Problem("export_final converts the last checkpoint, but save_checkpoints is false",
                                 _where(merged, "train.export_final"),
@@ -525,6 +526,24 @@ def _nvme_reuse_warning(ds: dict[str, Any], merged: Merged, warnings: list[str])
                         f"{distance:,.0f} with parameters on NVMe keeps used parameters in the NVMe swap buffers; "
                         "DeepSpeed 0.19.8 failed with 'Not enough buffers 0 for swapping 1' once a model had more "
                         "than offload_param.max_in_cpu parameters; set it to 0 (as the stage3_nvme preset does)")
+
+
+def _partial_offload_warning(ds: dict[str, Any], merged: Merged, warnings: list[str]) -> None:
+    """offload_optimizer.ratio < 1 (ZeRO-3 steps that share of its sub-groups on the GPU): in DeepSpeed 0.19.8
+    the GPU share goes through a second optimizer whose learning rate the scheduler never sets and whose
+    states no checkpoint holds, and it measured 4-5x slower than full offload (docs/benchmarks.md, finding 25)."""
+    zero = ds.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") != 3:
+        return
+    section = zero.get("offload_optimizer")
+    if not isinstance(section, dict) or section.get("device") != "cpu":
+        return
+    ratio = section.get("ratio", 1.0)
+    if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio < 1:
+        warnings.append(f"{_where(merged, 'deepspeed.zero_optimization.offload_optimizer.ratio')}: {ratio} steps "
+                        "part of the optimizer on the GPU with a second optimizer that DeepSpeed 0.19.8 never gives "
+                        "the scheduler's learning rate and leaves out of checkpoints (a resume restarts its Adam "
+                        "states); it measured 4-5x slower than full offload; remove the key (ratio 1)")
 
 
 def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Problem]) -> None:
