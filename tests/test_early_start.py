@@ -99,3 +99,18 @@ def test_sigterm_during_the_checks_stops_the_ranks_started_early(tmp_path):
     assert not run_dir.exists()
     assert _wait_for(lambda: not _processes_naming(str(run_dir)), 10), "ranks outlived the stop"
     assert _gate_folders(tmp_path) == []
+
+
+def test_early_start_is_on_by_default_except_for_zero3_and_the_switch_decides_either_way(monkeypatch):
+    """ZeRO-3 rows trained slower with early start (docs/benchmarks.md, finding 27): unset, it is off there;
+    DSTRAIN_EARLY_START=1 or 0 decides for any stage."""
+    from dstrain.launcher.early_start import wanted
+
+    stage = {n: {"zero_optimization": {"stage": n}} for n in (1, 2, 3)}
+    monkeypatch.delenv("DSTRAIN_EARLY_START", raising=False)
+    assert [wanted(stage[n]) for n in (1, 2, 3)] == [True, True, False]
+    assert wanted({}) is True  # no zero_optimization section: stage 0
+    monkeypatch.setenv("DSTRAIN_EARLY_START", "1")
+    assert wanted(stage[3]) is True
+    monkeypatch.setenv("DSTRAIN_EARLY_START", "off")
+    assert wanted(stage[2]) is False

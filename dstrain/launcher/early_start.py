@@ -69,6 +69,14 @@ class EarlyStart:
         os._exit(128 + signum)
 
 
-def wanted() -> bool:
-    """On unless DSTRAIN_EARLY_START is 0/off (for debugging a start-up: everything then runs in order)."""
-    return not switched_off(os.environ, "DSTRAIN_EARLY_START")
+def wanted(ds_config: dict) -> bool:
+    """DSTRAIN_EARLY_START: 0/off turns it off (for debugging a start-up: everything then runs in order),
+    1/on turns it on. Unset: on, except for ZeRO-3 jobs. Their 1.3B rows on one H100 trained a median 6.7%
+    slower with it (docs/benchmarks.md, finding 27; the rank's own early imports are not the cause, the
+    cause is not found), and there it saved 1-2 s of start-up."""
+    if switched_off(os.environ, "DSTRAIN_EARLY_START"):
+        return False
+    if os.environ.get("DSTRAIN_EARLY_START", "").strip().lower() in ("1", "on", "true", "yes"):
+        return True
+    zero = ds_config.get("zero_optimization")
+    return not (isinstance(zero, dict) and zero.get("stage") == 3)

@@ -50,7 +50,7 @@ def launch(o: LaunchOptions) -> int:
     port = master_port(o, shape)
     command = runner_command(o, shape.ranks, shape.nodes, run_dir, port)
     early = None
-    if not o.dry_run and is_local_job(o, shape.nodes) and early_start.wanted():
+    if not o.dry_run and is_local_job(o, shape.nodes) and early_start.wanted(resolved.ds_config):
         early = early_start.EarlyStart(command, rank_env(accelerator, max(shape.active.values())))
     try:
         return _check_and_start(o, shape, resolved, accelerator, run_dir, port, command, early, console)
