@@ -325,10 +325,8 @@ def worker(spec_path: Path) -> int:
     """One rank of a torch or deepspeed row, started by torch.distributed.run."""
     spec = json.loads(spec_path.read_text())
     if spec.get("early_prepare"):  # what an early-started dstrain rank does at its gate, first
-        from dstrain.rank.worker import _prepare_while_checks_run
-        _prepare_while_checks_run()
-    if spec.get("dynamo_first"):
-        import torch._dynamo  # noqa: F401
+        from dstrain.rank.worker import prepare_while_checks_run
+        prepare_while_checks_run()
     import torch
     import torch.distributed as dist
     from dstrain.config.schema import RunConfig
@@ -626,8 +624,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
                 "profile": args.profile and runner in args.profile_runners,
                 "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags,
                 "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags,
-                "phases": "phases" in flags, "early_prepare": "early_prepare" in flags,
-                "dynamo_first": "dynamo_first" in flags}
+                "phases": "phases" in flags, "early_prepare": "early_prepare" in flags}
         spec_path = work / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
         Path(spec["result_path"]).unlink(missing_ok=True)
@@ -694,7 +691,7 @@ def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     +phases (deepspeed runner: after the measured loop, 6 steps timed phase by phase, forward, backward
     and optimizer step, with the device synchronised between them),
     +early_prepare (torch/deepspeed runners: first what an early-started dstrain rank does at its start
-    gate: imports, torch._dynamo, the CUDA context), +dynamo_first (the same runners: import torch._dynamo first),
+    gate: imports, torch._dynamo, the CUDA context),
     +env:NAME=VALUE (the row's processes get this environment variable, e.g. env:DSTRAIN_OFFLOAD_CHUNKS=off),
     +log_half (dstrain runner: log only at the middle and the end of the run; --log-cost uses it)."""
     head, _, body = text.partition("=")

@@ -529,9 +529,10 @@ def _nvme_reuse_warning(ds: dict[str, Any], merged: Merged, warnings: list[str])
 
 
 def _partial_offload_warning(ds: dict[str, Any], merged: Merged, warnings: list[str]) -> None:
-    """offload_optimizer.ratio < 1 (ZeRO-3 steps that share of its sub-groups on the GPU): in DeepSpeed 0.19.8
-    the GPU share goes through a second optimizer whose learning rate the scheduler never sets and whose
-    states no checkpoint holds, and it measured 4-5x slower than full offload (docs/benchmarks.md, finding 25)."""
+    """offload_optimizer.ratio < 1 (ZeRO-3 then steps the other share of its sub-groups on the GPU): in
+    DeepSpeed 0.19.8 that share goes through a second optimizer whose learning rate the scheduler never sets
+    and whose states no checkpoint holds, and it measured 4-5x slower than full offload (docs/benchmarks.md,
+    finding 25)."""
     zero = ds.get("zero_optimization")
     if not isinstance(zero, dict) or zero.get("stage") != 3:
         return

@@ -58,7 +58,7 @@ def _catch_stop_signals() -> tuple[list[str], dict]:
 _waited_at_gate_s = 0.0  # time spent at the start gate, for the "ready" line
 
 
-def _prepare_while_checks_run() -> None:
+def prepare_while_checks_run() -> None:
     """What every rank does first anyway, done while `dstrain run` still checks: the imports (torch's
     first optimizer imports torch._dynamo, seconds) and, on a GPU, the CUDA context. Best effort: a
     failure here shows again, reported, when the rank does the same after the gate."""
@@ -82,7 +82,7 @@ def _wait_at_start_gate(spec: str, caught: list[str]) -> bool:
     global _waited_at_gate_s
     pid_text, _, path = spec.partition(":")
     gate = Path(path)
-    _prepare_while_checks_run()
+    prepare_while_checks_run()
     waiting = time.perf_counter()
     while True:
         try:
