@@ -130,11 +130,21 @@ def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(t
     for bit."""
     sets = ("train.max_steps=5", "train.log_every=1", "train.save_every=5", "train.lr=3e-3")
     runs = {}
+    said = {}
     for name, chunks, grads in (("chunked", "4096", "on"), ("deepspeed", "off", "off")):
         run_dir = tmp_path / name
         env = {"DSTRAIN_OFFLOAD_CHUNKS": chunks, "DSTRAIN_OFFLOAD_GRADS": grads}
-        assert_ok(run_tiny(run_dir, preset, *sets, env=env))
+        result = run_tiny(run_dir, preset, *sets, env=env)
+        assert_ok(result)
+        said[name] = [line for line in result.stdout.splitlines() if "CPU offload, dstrain's changes" in line]
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         runs[name] = [(row["step"], row["loss"], row.get("grad_norm")) for row in rows if "loss" in row]
     assert len(runs["chunked"]) == 5 and all(norm for _, _, norm in runs["chunked"])
     assert runs["chunked"] == runs["deepspeed"]
+    # rank 0 says what it changed, once; the switches take the step and the ZeRO-3 copies back to DeepSpeed
+    assert len(said["chunked"]) == 1 and "optimizer step in chunks" in said["chunked"][0]
+    assert ("gradients sent to the host once" in said["chunked"][0]) is (preset == "stage3_offload")
+    if preset == "stage2_offload":  # the per-parameter waits have no switch
+        assert said["deepspeed"] and "chunks" not in said["deepspeed"][0]
+    else:
+        assert said["deepspeed"] == []

@@ -21,6 +21,18 @@ def speed_up_offload(engine, env) -> dict[str, bool]:
             "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
 
 
+def describe(applied: dict[str, bool]) -> str | None:
+    """The line rank 0 prints about what speed_up_offload applied (None: nothing), with the switch of each."""
+    parts = []
+    if applied.get("syncs"):
+        parts.append("no per-parameter GPU waits in the backward")
+    if applied.get("grads"):
+        parts.append("gradients sent to the host once, in fp32 (DSTRAIN_OFFLOAD_GRADS=off: DeepSpeed's copies)")
+    if applied.get("chunks"):
+        parts.append("optimizer step in chunks (DSTRAIN_OFFLOAD_CHUNKS=off: DeepSpeed's step)")
+    return "CPU offload, dstrain's changes: " + "; ".join(parts) if parts else None
+
+
 def chunk_elements_from_env(env) -> int:
     """DSTRAIN_OFFLOAD_CHUNKS: off (0/off/false/no: DeepSpeed's own step), a number of elements per chunk
     (for tuning), or unset for the default."""

@@ -193,7 +193,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
 
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
-    from dstrain.rank.offload import speed_up_offload
+    from dstrain.rank.offload import describe, speed_up_offload
     from dstrain.rank.runtime import enable_activation_checkpointing
 
     model = build_model(config, ds_config, device)
@@ -202,7 +202,9 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
-    speed_up_offload(engine, os.environ)  # CPU offload: a chunked optimizer step (ZeRO-1/2: no per-parameter waits)
+    offload_changes = describe(speed_up_offload(engine, os.environ))  # CPU offload only (rank/offload.py)
+    if offload_changes and rank == 0:
+        print(offload_changes, flush=True)
     if config.train.compile:
         engine.compile()
     return engine, model
