@@ -17,9 +17,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from dstrain.launcher.env_fixes import switched_off
 from dstrain.launcher.supervise import start_launcher
 from dstrain.rundir import START_GATE_ENV, write_atomic
+from dstrain.switches import switch
 
 
 class EarlyStart:
@@ -74,9 +74,8 @@ def wanted(ds_config: dict) -> bool:
     1/on turns it on. Unset: on, except for ZeRO-3 jobs. Their 1.3B rows on one H100 trained a median 6.7%
     slower with it (docs/benchmarks.md, finding 27; the rank's own early imports are not the cause, the
     cause is not found), and there it saved 1-2 s of start-up."""
-    if switched_off(os.environ, "DSTRAIN_EARLY_START"):
-        return False
-    if os.environ.get("DSTRAIN_EARLY_START", "").strip().lower() in ("1", "on", "true", "yes"):
-        return True
+    setting = switch(os.environ, "DSTRAIN_EARLY_START")
+    if setting is not None:
+        return setting
     zero = ds_config.get("zero_optimization")
     return not (isinstance(zero, dict) and zero.get("stage") == 3)

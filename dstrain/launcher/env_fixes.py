@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from dstrain.switches import switched_off
+
 ARCH_LIST_VAR = "TORCH_CUDA_ARCH_LIST"
 
 # "9.0a", "10.0f+PTX": a numeric arch with a feature-set suffix. DeepSpeed 0.19 parses each
@@ -135,11 +137,6 @@ def _files_open_by_local_processes() -> set[str]:
 
 
 BYTECODE_OPT_OUT = "DSTRAIN_BYTECODE_CACHE"  # "off": leave Python's bytecode handling alone
-
-
-def switched_off(env: Mapping[str, str], name: str) -> bool:
-    """A DSTRAIN_* switch that is on by default, turned off by 0/off/false/no."""
-    return env.get(name, "").strip().lower() in ("0", "off", "false", "no")
 
 
 def torch_package() -> Path | None:

@@ -10,6 +10,7 @@ from dstrain.rank.offload_grads_zero3 import direct_zero3_offload_grads
 from dstrain.rank.offload_step import DEFAULT_CHUNK_ELEMENTS, chunk_offload_step
 from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
 from dstrain.rank.offload_syncs import remove_offload_syncs
+from dstrain.switches import switched_off
 
 
 def speed_up_offload(engine, env) -> dict[str, bool]:
@@ -17,7 +18,7 @@ def speed_up_offload(engine, env) -> dict[str, bool]:
     step, DSTRAIN_OFFLOAD_GRADS=off its ZeRO-3 gradient copies (for measuring each change)."""
     chunk = chunk_elements_from_env(env)
     return {"syncs": remove_offload_syncs(engine),
-            "grads": _switched_on(env, "DSTRAIN_OFFLOAD_GRADS") and direct_zero3_offload_grads(engine),
+            "grads": not switched_off(env, "DSTRAIN_OFFLOAD_GRADS") and direct_zero3_offload_grads(engine),
             "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
 
 
@@ -36,11 +37,7 @@ def describe(applied: dict[str, bool]) -> str | None:
 def chunk_elements_from_env(env) -> int:
     """DSTRAIN_OFFLOAD_CHUNKS: off (0/off/false/no: DeepSpeed's own step), a number of elements per chunk
     (for tuning), or unset for the default."""
-    value = env.get("DSTRAIN_OFFLOAD_CHUNKS", "").strip().lower()
-    if not _switched_on(env, "DSTRAIN_OFFLOAD_CHUNKS"):
+    if switched_off(env, "DSTRAIN_OFFLOAD_CHUNKS"):
         return 0
+    value = env.get("DSTRAIN_OFFLOAD_CHUNKS", "").strip()
     return int(value) if value.isdigit() else DEFAULT_CHUNK_ELEMENTS
-
-
-def _switched_on(env, name: str) -> bool:
-    return env.get(name, "").strip().lower() not in ("0", "off", "false", "no")  # as every DSTRAIN_* switch reads
