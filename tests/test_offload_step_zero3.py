@@ -13,16 +13,32 @@ from one_rank import TINY_MLP, run_one_rank
 pytestmark = pytest.mark.integration
 
 SCRIPT = TINY_MLP + """
+    import time
     from dstrain.rank.offload_grads_zero3 import direct_zero3_offload_grads
+    from dstrain.rank.offload_overlap_zero3 import overlap_zero3_offload_step
     from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
 
     device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
 
-    def train(precision, accum, clip, offload_param, chunked, overflow_at=None, accum_dtype=None):
+    class SlowAdam:
+        # DeepSpeed's CPU Adam op, each call 3 ms late: the overlapped step is still running when the
+        # next forward gathers its first parameters, so the test sees the waits do their work.
+        def __init__(self, op):
+            self.op = op
+
+        def adam_update(self, *args):
+            time.sleep(0.003)
+            return self.op.adam_update(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.op, name)
+
+    def train(precision, accum, clip, offload_param, variant, overflow_at=None, accum_dtype=None):
         model = tiny_mlp()  # 6,337 parameters
         pin = device == "cuda"
         zero = {"stage": 3, "sub_group_size": 4000,  # two sub-groups: 4,224 and 2,113 elements
-                "stage3_param_persistence_threshold": 0,
+                # PERSIST 100: the biases and the last layer's weight stay gathered between steps
+                "stage3_param_persistence_threshold": PERSIST,
                 "offload_optimizer": {"device": "cpu", "pin_memory": pin}}
         if offload_param:
             zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
@@ -35,24 +51,34 @@ SCRIPT = TINY_MLP + """
             config["data_types"] = {"grad_accum_dtype": accum_dtype}
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         # chunks of 1,024: each sub-group in several, the last one short
-        applied = (chunk_zero3_offload_step(engine, 1024), direct_zero3_offload_grads(engine)) if chunked else None
+        applied = None
+        if variant != "deepspeed":
+            applied = [chunk_zero3_offload_step(engine, 1024), direct_zero3_offload_grads(engine)]
+        if variant == "overlap":
+            applied.append(overlap_zero3_offload_step(engine))
+            engine.optimizer.optimizer.ds_opt_adam = SlowAdam(engine.optimizer.optimizer.ds_opt_adam)
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)
         optimizer = engine.optimizer
+        overlap = getattr(optimizer, "_dstrain_overlap", None)
+        if overlap is not None:
+            overlap.drain()  # the last step's update: read below
         masters = torch.cat([m.detach().flatten() for m in optimizer.fp32_partitioned_groups_flat]).tolist()
         bit16 = torch.cat([f.detach().float().flatten().cpu() for f in optimizer.fp16_partitioned_groups_flat]).tolist()
         return {"applied": applied, "norms": norms, "masters": masters, "bit16": bit16,
                 "sub_groups": len(optimizer.fp16_groups), "skipped": engine.skipped_steps,
                 # DeepSpeed's host copy of the gradient partitions: the direct copy leaves it unwritten
                 "host_buffer_written": bool(optimizer.grad_partitions_flat_buffer.abs().sum() > 0),
-                "pinned": all(m.is_pinned() for m in optimizer.fp32_partitioned_groups_flat)}
+                "pinned": all(m.is_pinned() for m in optimizer.fp32_partitioned_groups_flat),
+                "persistent": len(optimizer.persistent_parameters),
+                "overlapped_steps": overlap.steps if overlap else None, "waits": overlap.waits if overlap else None}
 
     out = {}
     for precision, accum, clip, offload_param, overflow_at, accum_dtype in CASES:
         key = f"{precision}-{accum}-clip{clip}" + ("-offload_param" if offload_param else "") + (
             "-overflow" if overflow_at is not None else "") + (f"-accum_{accum_dtype}" if accum_dtype else "")
-        out[key] = {name: train(precision, accum, clip, offload_param, name == "dstrain", overflow_at, accum_dtype)
-                    for name in ("deepspeed", "dstrain")}
+        out[key] = {name: train(precision, accum, clip, offload_param, name, overflow_at, accum_dtype)
+                    for name in ("deepspeed", VARIANT)}
     result(out)
 """
 
@@ -64,10 +90,14 @@ CPU_CASES = (("bf16", 1, 0.05, True, None, None), ("fp32", 2, 0.05, True, None, 
              ("bf16", 1, 0.05, True, None, "fp32"))
 
 
-def _assert_bit_identical(out: dict, on_gpu: bool) -> None:
+def _script(cases, variant: str = "dstrain", persist: int = 0) -> str:
+    return f"    CASES = {cases!r}\n    VARIANT = {variant!r}\n    PERSIST = {persist!r}\n" + SCRIPT
+
+
+def _assert_bit_identical(out: dict, on_gpu: bool, variant: str = "dstrain") -> None:
     for key, by_name in out.items():
-        ours, theirs = by_name["dstrain"], by_name["deepspeed"]
-        assert ours["applied"] == [True, True] and theirs["applied"] is None, key
+        ours, theirs = by_name[variant], by_name["deepspeed"]
+        assert ours["applied"] == [True] * (3 if variant == "overlap" else 2) and theirs["applied"] is None, key
         assert ours["sub_groups"] == 2, key
         assert ours["pinned"] is on_gpu, key  # pinned masters: their chunks are rounded on the GPU
         assert len(ours["norms"]) >= 4 and ours["norms"] == theirs["norms"], key
@@ -81,7 +111,7 @@ def _assert_bit_identical(out: dict, on_gpu: bool) -> None:
 
 
 def test_zero3_offload_step_in_chunks_and_direct_grads_are_bit_identical_to_deepspeeds():
-    _assert_bit_identical(run_one_rank(f"    CASES = {CPU_CASES!r}\n" + SCRIPT), on_gpu=False)
+    _assert_bit_identical(run_one_rank(_script(CPU_CASES)), on_gpu=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the chunked step rounds to bf16 there")
@@ -90,4 +120,29 @@ def test_zero3_offload_step_on_a_gpu_is_bit_identical_to_deepspeeds_step():
     (parameter offload) or stay in the GPU partition (optimizer offload alone)."""
     cases = (("bf16", 1, 0.05, True, None, None), ("bf16", 2, 0.05, True, None, None),
              ("bf16", 1, 100.0, False, None, None), ("bf16", 1, 0.05, True, None, "fp32"))
-    _assert_bit_identical(run_one_rank(f"    CASES = {cases!r}\n" + SCRIPT, accelerator="cuda"), on_gpu=True)
+    _assert_bit_identical(run_one_rank(_script(cases), accelerator="cuda"), on_gpu=True)
+
+
+# Parameter offload or not, accumulation, an overflow step; persistent parameters in every case.
+OVERLAP_CASES = (("bf16", 1, 0.05, True, None, None), ("fp32", 2, 0.05, True, None, None),
+                 ("bf16", 1, 100.0, False, None, None), ("bf16", 1, 0.05, True, 1, None))
+
+
+def _assert_overlapped(out: dict, on_gpu: bool) -> None:
+    _assert_bit_identical(out, on_gpu, variant="overlap")
+    for key, by_name in out.items():
+        ours = by_name["overlap"]
+        assert ours["persistent"] == 4, key  # three biases and the last weight: gathered by the next forward
+        assert ours["overlapped_steps"] == 4 - ours["skipped"], key  # every update ran on the worker
+        assert ours["waits"] >= ours["overlapped_steps"] - 1, key  # each next forward met a step in progress
+
+
+def test_zero3_offload_step_beside_the_next_forward_is_bit_identical_to_deepspeeds():
+    """offload_overlap_zero3.py: the step's chunks on a worker thread, slowed down, while the next forward
+    gathers each parameter only once its chunks have landed: the same weights and norms as DeepSpeed's."""
+    _assert_overlapped(run_one_rank(_script(OVERLAP_CASES, "overlap", persist=100)), on_gpu=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the worker queues its copies on a CUDA stream")
+def test_zero3_offload_step_beside_the_next_forward_on_a_gpu_is_bit_identical_to_deepspeeds():
+    _assert_overlapped(run_one_rank(_script(OVERLAP_CASES, "overlap", persist=100), accelerator="cuda"), on_gpu=True)

@@ -1,12 +1,13 @@
 """dstrain's changes to DeepSpeed's CPU-offload optimizers, applied to a built engine: ZeRO-1/2 without
 per-parameter GPU waits (offload_syncs.py), ZeRO-3's gradients copied to the host once
-(offload_grads_zero3.py), and the optimizer step in chunks with the bf16 rounding on the GPU
-(offload_step.py for ZeRO-1/2, offload_step_zero3.py for ZeRO-3). Each leaves an engine it does not
-cover as it is."""
+(offload_grads_zero3.py), the optimizer step in chunks with the bf16 rounding on the GPU
+(offload_step.py for ZeRO-1/2, offload_step_zero3.py for ZeRO-3), and ZeRO-3's step run beside the next
+forward (offload_overlap_zero3.py). Each leaves an engine it does not cover as it is."""
 
 from __future__ import annotations
 
 from dstrain.rank.offload_grads_zero3 import direct_zero3_offload_grads
+from dstrain.rank.offload_overlap_zero3 import overlap_zero3_offload_step
 from dstrain.rank.offload_step import DEFAULT_CHUNK_ELEMENTS, chunk_offload_step
 from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
 from dstrain.rank.offload_syncs import remove_offload_syncs
@@ -15,11 +16,14 @@ from dstrain.switches import switched_off
 
 def speed_up_offload(engine, env) -> dict[str, bool]:
     """Apply what covers `engine`; which changes applied. DSTRAIN_OFFLOAD_CHUNKS=off keeps DeepSpeed's
-    step, DSTRAIN_OFFLOAD_GRADS=off its ZeRO-3 gradient copies (for measuring each change)."""
+    step, DSTRAIN_OFFLOAD_GRADS=off its ZeRO-3 gradient copies, DSTRAIN_OFFLOAD_OVERLAP=off runs the ZeRO-3
+    step before the next forward instead of beside it (for measuring each change)."""
     chunk = chunk_elements_from_env(env)
-    return {"syncs": remove_offload_syncs(engine),
-            "grads": not switched_off(env, "DSTRAIN_OFFLOAD_GRADS") and direct_zero3_offload_grads(engine),
-            "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
+    applied = {"syncs": remove_offload_syncs(engine),
+               "grads": not switched_off(env, "DSTRAIN_OFFLOAD_GRADS") and direct_zero3_offload_grads(engine),
+               "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
+    applied["overlap"] = not switched_off(env, "DSTRAIN_OFFLOAD_OVERLAP") and overlap_zero3_offload_step(engine)
+    return applied
 
 
 def describe(applied: dict[str, bool]) -> str | None:
@@ -31,6 +35,8 @@ def describe(applied: dict[str, bool]) -> str | None:
         parts.append("gradients sent to the host once, in fp32 (DSTRAIN_OFFLOAD_GRADS=off: DeepSpeed's copies)")
     if applied.get("chunks"):
         parts.append("optimizer step in chunks (DSTRAIN_OFFLOAD_CHUNKS=off: DeepSpeed's step)")
+    if applied.get("overlap"):
+        parts.append("the step beside the next forward (DSTRAIN_OFFLOAD_OVERLAP=off: before it)")
     return "CPU offload, dstrain's changes: " + "; ".join(parts) if parts else None
 
 

@@ -180,16 +180,18 @@ def adam_chunk_update(adam, group: dict, master, factor: float):
         state["exp_avg"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
         state["exp_avg_sq"] = torch.zeros_like(master.data, dtype=state_dtype, device="cpu")
     state["step"] += 1
-    beta1, beta2 = group["betas"]
-    weights = master.data
+    # Read now: an overlapped step (offload_overlap_zero3.py) runs the chunks after the scheduler has
+    # already set the next step's rate.
+    step, lr, (beta1, beta2), eps = state["step"], group["lr"], group["betas"], group["eps"]
+    decay, bias_correction = group["weight_decay"], group["bias_correction"]
+    weights, exp_avg, exp_avg_sq = master.data, state["exp_avg"], state["exp_avg_sq"]
 
     def update(start: int, end: int) -> None:
         grad_chunk = grad.data[start:end]
         if factor != 1.0:
             grad_chunk.mul_(factor)
-        adam.ds_opt_adam.adam_update(adam.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
-                                     group["weight_decay"], group["bias_correction"], weights[start:end],
-                                     grad_chunk, state["exp_avg"][start:end], state["exp_avg_sq"][start:end])
+        adam.ds_opt_adam.adam_update(adam.opt_id, step, lr, beta1, beta2, eps, decay, bias_correction,
+                                     weights[start:end], grad_chunk, exp_avg[start:end], exp_avg_sq[start:end])
     return update
 
 

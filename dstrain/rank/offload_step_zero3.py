@@ -67,25 +67,18 @@ def chunk_zero3_offload_step(engine, chunk_elements: int) -> bool:
     return True
 
 
+def has_chunked_step(optimizer) -> bool:
+    """Whether chunk_zero3_offload_step gave `optimizer` its step."""
+    return getattr(getattr(optimizer, "step", None), "__func__", None) is _chunked_step
+
+
 def _chunked_step(self, closure=None):
     """DeepSpeedZeroOptimizer_Stage3.step for CPU offload, with each sub-group updated in chunks."""
-    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import stage3 as zero3
 
-    self._pre_step()
-    self._partition_all_parameters()
-    self._overflow_check_and_loss_scale_update(update_scale=False)
-    scaled_global_grad_norm = None
-    if not self.overflow:
-        self._apply_muon_to_accumulated_grads()  # DeepSpeed's order; returns at once (never installed with Muon)
-        scaled_global_grad_norm = zero3.combine_grad_norm_groups(self._get_norm_groups())
-        if zero3.is_invalid_grad_norm(scaled_global_grad_norm):
-            self.overflow = True
-    if self._loss_scale_update_and_overflow_cleanup():  # a skipped step, as DeepSpeed skips it
+    factor = begin_step(self)
+    if factor is None:
         return
-    self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
-    factor = unscale_factor(self, scaled_global_grad_norm)
-
     timer_names = {zero3.OPTIMIZER_STEP_TIMER}
     self.timers(zero3.OPTIMIZER_STEP_TIMER).start()
     for sub_group_id in range(len(self.fp16_groups)):
@@ -98,9 +91,37 @@ def _chunked_step(self, closure=None):
         copies.synchronize()
     self.timers(zero3.OPTIMIZER_STEP_TIMER).stop()
     self._post_step(timer_names)
+    warn_on_allocator_flushes(self)
+
+
+def begin_step(self) -> float | None:
+    """What DeepSpeed's step does before the sub-groups: partition the parameters, check for overflow,
+    take the global norm. The factor to unscale and clip the gradients by; None for a skipped step
+    (overflow or a non-finite norm), which DeepSpeed's cleanup has already handled."""
+    from deepspeed.runtime.zero import stage3 as zero3
+
+    self._pre_step()
+    self._partition_all_parameters()
+    self._overflow_check_and_loss_scale_update(update_scale=False)
+    scaled_global_grad_norm = None
+    if not self.overflow:
+        self._apply_muon_to_accumulated_grads()  # DeepSpeed's order; returns at once (never installed with Muon)
+        scaled_global_grad_norm = zero3.combine_grad_norm_groups(self._get_norm_groups())
+        if zero3.is_invalid_grad_norm(scaled_global_grad_norm):
+            self.overflow = True
+    if self._loss_scale_update_and_overflow_cleanup():  # a skipped step, as DeepSpeed skips it
+        return None
+    self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
+    return unscale_factor(self, scaled_global_grad_norm)
+
+
+def warn_on_allocator_flushes(self) -> None:
+    """DeepSpeed's warning at the end of its step, kept."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero import stage3 as zero3
 
     retries = get_accelerator().memory_stats().get("num_alloc_retries") or 0
-    if retries > self.n_caching_allocator_flushes:  # DeepSpeed's own warning, kept
+    if retries > self.n_caching_allocator_flushes:
         if zero3.dist.get_rank() == 0:
             zero3.logger.warning("%d pytorch allocator cache flushes since last step: high memory pressure, "
                                  "slow; reduce memory use", retries - self.n_caching_allocator_flushes)
@@ -108,8 +129,17 @@ def _chunked_step(self, closure=None):
 
 
 def _update_sub_group(self, sub_group_id: int, factor: float) -> None:
-    """Unscale, Adam, round to bf16 into the sub-group's bf16 partition, one chunk at a time: what
-    unscale_and_clip_grads, DeepSpeedCPUAdam.step and the copy after it do."""
+    update_chunk = chunk_updater(self, sub_group_id, factor)
+    size = self.fp32_partitioned_groups_flat[sub_group_id].numel()
+    for start in range(0, size, self._dstrain_chunk):
+        update_chunk(start, min(start + self._dstrain_chunk, size))
+
+
+def chunk_updater(self, sub_group_id: int, factor: float):
+    """update_chunk(start, end): unscale, Adam, and the rounding to bf16 into the sub-group's bf16
+    partition, for one chunk (what unscale_and_clip_grads, DeepSpeedCPUAdam.step and the copy after it
+    do). The Adam step is counted, and its rate read, when this is called. Copies to the accelerator go
+    on the current stream of the thread that calls update_chunk; chunks must start on SIMD_BLOCK."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
@@ -126,19 +156,21 @@ def _update_sub_group(self, sub_group_id: int, factor: float) -> None:
         if self._dstrain_staging is None or self._dstrain_staging[0].device != device:
             self._dstrain_staging = (torch.empty(chunk, dtype=weights.dtype, device=device),
                                      torch.empty(chunk, dtype=bit16.dtype, device=device) if on_host else None)
-    for start in range(0, weights.numel(), chunk):
-        end = min(start + chunk, weights.numel())
+    staging = self._dstrain_staging
+
+    def update_chunk(start: int, end: int) -> None:
         if update is not None:
             update(start, end)
         if not round_on_device:
             bit16.data[start:end].copy_(weights[start:end])
-            continue
+            return
         # One stream: each staging chunk is read before the next chunk's copy overwrites it.
-        fp32_staging = self._dstrain_staging[0][:end - start]
+        fp32_staging = staging[0][:end - start]
         fp32_staging.copy_(weights[start:end], non_blocking=True)
         if on_host:
-            bit16_staging = self._dstrain_staging[1][:end - start]
+            bit16_staging = staging[1][:end - start]
             bit16_staging.copy_(fp32_staging)
             bit16.data[start:end].copy_(bit16_staging, non_blocking=True)
         else:
             bit16.data[start:end].copy_(fp32_staging)
+    return update_chunk

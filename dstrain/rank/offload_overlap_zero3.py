@@ -1,0 +1,252 @@
+"""ZeRO-3 with the optimizer on the CPU: the optimizer step runs beside the next forward (DeepSpeed
+0.19's DeepSpeedZeroOptimizer_Stage3 with the chunked step of offload_step_zero3.py).
+
+The CPU Adam pass is bound by host memory (about 380 ms a step for a 1.3B model on an H100 host,
+docs/benchmarks.md finding 24) and the next forward, about 120 ms there, used to start only after it.
+Here the step does what must happen at once on the main thread (the overflow check, the global norm,
+counting the Adam step and reading its rate) and hands the chunks to a worker thread; the next
+forward starts at once. A parameter is gathered (forward or backward fetch, prefetch,
+GatheredParameters) only after every chunk of its partition has been updated and its bf16 copy has
+landed: each parameter's all_gather and all_gather_coalesced wait for that. The chunks go in the
+order the model first uses their parameters (module registration order: the embedding, then block by
+block), so the forward follows the step block by block instead of waiting for all of it.
+
+What reads or writes the optimizer's host buffers waits for the whole step first: the next
+backward's gradient copies (partition_grads), the next step, the optimizer's state_dict and
+load_state_dict, the engine's save_checkpoint and load_checkpoint. Only the main thread talks to
+other ranks: the worker runs DeepSpeed's CPU Adam (which releases the GIL) and queues its copies on a
+stream of its own. DeepSpeed's step ends by gathering the persistent (small) parameters; here the
+next forward gathers them, through the same wait. The arithmetic is the chunked step's, which is
+DeepSpeed's (tests/test_offload_step_zero3.py compares them bit for bit with the worker slowed down).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import queue
+import threading
+import types
+
+from dstrain.rank.offload_step_zero3 import begin_step, chunk_updater, has_chunked_step, warn_on_allocator_flushes
+
+
+def overlap_zero3_offload_step(engine) -> bool:
+    """Run `engine`'s chunked ZeRO-3 offload step beside the next forward; False (nothing changed)
+    where the chunked step is not installed or the optimizer's partitions are not laid out as expected."""
+    optimizer = getattr(engine, "optimizer", None)
+    needed = ("fp16_partitioned_groups", "reset_cpu_buffers", "invalidate_secondary_tensor", "partition_grads",
+              "state_dict", "load_state_dict")
+    if not has_chunked_step(optimizer) or not all(hasattr(optimizer, name) for name in needed):
+        return False
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() not in ("cpu", "cuda"):  # the worker's stream and events are CUDA's
+        return False
+    layout = chunk_layout(optimizer, engine.module)
+    if layout is None:
+        return False
+    order, ready_after = layout
+    overlap = StepBesideForward(order, ready_after, _accelerator_device(optimizer))
+    for param in engine.module.parameters():
+        if hasattr(param, "all_gather") and hasattr(param, "all_gather_coalesced"):
+            _gate_gathers(param, overlap)
+    for owner, name in ((optimizer, "partition_grads"), (optimizer, "state_dict"), (optimizer, "load_state_dict"),
+                        (engine, "save_checkpoint"), (engine, "load_checkpoint")):
+        setattr(owner, name, _after_drain(overlap, getattr(owner, name)))
+    optimizer._dstrain_overlap = overlap
+    optimizer.step = types.MethodType(_overlapped_step, optimizer)
+    atexit.register(overlap.drain_at_exit)
+    return True
+
+
+def chunk_layout(optimizer, module):
+    """(order, ready_after): the chunks (sub_group, start, end) in the order the step updates them, and for
+    each parameter (by ds_id) the position in that order of the last chunk holding its partition. None
+    if a partition is not where the sub-group's flat buffer says."""
+    first_use: dict[int, int] = {}
+    for submodule in module.modules():  # registration order: the order a forward uses them, for most models
+        for param in submodule.parameters(recurse=False):
+            first_use.setdefault(id(param), len(first_use))
+    unused = len(first_use)
+    chunk = optimizer._dstrain_chunk
+    keyed, spans, sizes = [], {}, []
+    for sub_group, params in enumerate(optimizer.fp16_groups):
+        flat = optimizer.fp16_partitioned_groups_flat[sub_group]
+        sizes.append(flat.numel())
+        firsts = [unused] * (-(-flat.numel() // chunk))
+        offset = 0
+        for param, partition in zip(params, optimizer.fp16_partitioned_groups[sub_group]):
+            numel = partition.numel()
+            if partition.data_ptr() != flat.data_ptr() + offset * flat.element_size():
+                return None
+            if numel:
+                first, last = offset // chunk, (offset + numel - 1) // chunk
+                for index in range(first, last + 1):
+                    firsts[index] = min(firsts[index], first_use.get(id(param), unused))
+                spans[param.ds_id] = (sub_group, first, last)
+            offset += numel
+        keyed += [(used, sub_group, index) for index, used in enumerate(firsts)]
+    keyed.sort()
+    position = {(sub_group, index): at for at, (_, sub_group, index) in enumerate(keyed)}
+    order = [(sub_group, index * chunk, min((index + 1) * chunk, sizes[sub_group])) for _, sub_group, index in keyed]
+    ready_after = {ds_id: max(position[(sub_group, index)] for index in range(first, last + 1))
+                   for ds_id, (sub_group, first, last) in spans.items()}
+    return order, ready_after
+
+
+class StepBesideForward:
+    """The worker thread that updates the chunks of one step after another, and the waits on it."""
+
+    def __init__(self, order, ready_after: dict, device):
+        self.order, self.ready_after, self.device = order, ready_after, device
+        self.done = len(order)  # chunks of the current step updated and landed
+        self.running = False
+        self.error: BaseException | None = None
+        self.steps = 0  # steps the worker finished
+        self.waits = 0  # gathers that had to wait for the worker
+        self._changed = threading.Condition()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stream = None
+        self._thread = threading.Thread(target=self._work, name="dstrain-offload-step", daemon=True)
+        self._thread.start()
+
+    def stream_context(self):
+        """The worker's stream, made current (nothing on a CPU accelerator)."""
+        if self.device is None:
+            return contextlib.nullcontext()
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._stream)
+
+    def start(self, updaters) -> None:
+        """Update each chunk with updaters[sub_group](start, end), in order, on the worker."""
+        self.raise_error()
+        with self._changed:
+            self.done, self.running = 0, True
+        self._jobs.put(updaters)
+
+    def wait_for(self, params) -> None:
+        """Return once every parameter in `params` has its partition updated."""
+        if not self.running:
+            self.raise_error()
+            return
+        need = max((self.ready_after.get(getattr(p, "ds_id", None), -1) for p in params), default=-1)
+        with self._changed:
+            if self.done <= need:
+                self.waits += 1
+            while self.done <= need and self.error is None:
+                self._changed.wait()
+        self.raise_error()
+
+    def drain(self) -> None:
+        """Return once the step in progress (if any) has finished."""
+        with self._changed:
+            while self.running and self.error is None:
+                self._changed.wait()
+        self.raise_error()
+
+    def drain_at_exit(self) -> None:
+        with contextlib.suppress(BaseException):
+            self.drain()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("dstrain's overlapped CPU-offload optimizer step failed on its worker thread "
+                               "(DSTRAIN_OFFLOAD_OVERLAP=off runs the step on the main thread)") from self.error
+
+    def _work(self) -> None:
+        import torch
+
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
+        if torch.get_num_threads() >= 4:  # leave a core to the main thread, which launches the forward
+            torch.set_num_threads(torch.get_num_threads() - 1)
+        while True:
+            updaters = self._jobs.get()
+            try:
+                self._update_all(updaters)
+            except BaseException as error:  # handed to the main thread at its next wait
+                with self._changed:
+                    self.error, self.running = error, False
+                    self._changed.notify_all()
+
+    def _update_all(self, updaters) -> None:
+        landed = None  # (event, position): the last chunk whose copies were queued
+        for position, (sub_group, start, end) in enumerate(self.order):
+            with self.stream_context():
+                updaters[sub_group](start, end)
+                event = None
+                if self.device is not None:
+                    import torch
+
+                    event = torch.cuda.Event()
+                    event.record()
+            if landed is not None:
+                self._landed(*landed)
+            landed = (event, position)
+        if landed is not None:
+            self._landed(*landed)
+        with self._changed:
+            self.running = False
+            self.steps += 1
+            self._changed.notify_all()
+
+    def _landed(self, event, position: int) -> None:
+        if event is not None:
+            event.synchronize()
+        with self._changed:
+            self.done = position + 1
+            self._changed.notify_all()
+
+
+def _overlapped_step(self, closure=None):
+    """The chunked step, with the chunks handed to the worker; DeepSpeed's _post_step without the persistent
+    parameters' all-gather (_partition_all_parameters released them; the next forward gathers them)."""
+    overlap = self._dstrain_overlap
+    overlap.drain()
+    factor = begin_step(self)
+    if factor is None:
+        return
+    for sub_group_id in range(len(self.fp16_groups)):  # views into the flat partitions: values land later
+        self._unflatten_partitioned_parameters(sub_group_id)
+    with overlap.stream_context():  # staging made on the worker's stream
+        updaters = [chunk_updater(self, sub_group_id, factor) for sub_group_id in range(len(self.fp16_groups))]
+    overlap.start(updaters)
+    self.reset_cpu_buffers()
+    self.invalidate_secondary_tensor()
+    warn_on_allocator_flushes(self)
+
+
+def _gate_gathers(param, overlap: StepBesideForward) -> None:
+    gather, gather_coalesced = param.all_gather, param.all_gather_coalesced
+
+    def all_gather(param_list=None, *args, **kwargs):
+        overlap.wait_for([param] if param_list is None else param_list)
+        return gather(param_list, *args, **kwargs)
+
+    def all_gather_coalesced(params, *args, **kwargs):
+        params = list(params)
+        overlap.wait_for(params)
+        return gather_coalesced(params, *args, **kwargs)
+
+    param.all_gather, param.all_gather_coalesced = all_gather, all_gather_coalesced
+
+
+def _after_drain(overlap: StepBesideForward, method):
+    def drained(*args, **kwargs):
+        overlap.drain()
+        return method(*args, **kwargs)
+    return drained
+
+
+def _accelerator_device(optimizer):
+    """The CUDA device the worker queues copies on; None where the chunks are rounded on the host."""
+    staging_on_device = any(m.is_pinned() for m in optimizer.fp32_partitioned_groups_flat)
+    if not staging_on_device:
+        return None
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())
