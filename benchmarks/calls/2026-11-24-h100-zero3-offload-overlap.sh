@@ -3,7 +3,7 @@
 # optimizer step run beside the next forward (dstrain/rank/offload_overlap_zero3.py) against the step before
 # it (DSTRAIN_OFFLOAD_OVERLAP=off). PART=1: the GPU tests (bit-identical, overlapped and not), torch and
 # dstrain stage3_offload on the 1.3B GPT, on/off alternating. PART=2: the hand loop with dstrain's offload
-# changes, phases timed apart (+phases), on/off at 1.3B; the 406M GPT on/off with torch. Results go to $OUT.
+# changes, phases timed apart (+phases), on/off at 1.3B; dstrain at 1.3B with the worker on 8, 12, 16 threads. Results go to $OUT.
 set -u
 W=/tmp/w6; mkdir -p $W
 OPS="CPUAdamBuilder" bash benchmarks/gpu_ops.sh > $OUT/ops-$PART.log 2>&1
@@ -20,9 +20,10 @@ else
   $S $BIG --steps 20 --out $OUT/phases --runners deepspeed --no-base \
     --variant "ph@deepspeed=+dstrain_offload;+phases" --variant "ph_v0@deepspeed=+dstrain_offload;+phases;$V0" \
     > $OUT/phases.log 2>&1
-  $S --steps 60 --out $OUT/s3 --runners torch,dstrain --variant "v0@dstrain=$V0" --variant "on2@dstrain=" \
-    --variant "v02@dstrain=$V0" > $OUT/s3.log 2>&1
-  LOGS="ops-2 phases s3"
+  $S $BIG --steps 30 --out $OUT/threads --runners dstrain --no-base \
+    --variant "t8@dstrain=+env:DSTRAIN_OFFLOAD_OVERLAP=8" --variant "t12@dstrain=+env:DSTRAIN_OFFLOAD_OVERLAP=12" \
+    --variant "t16@dstrain=+env:DSTRAIN_OFFLOAD_OVERLAP=16" > $OUT/threads.log 2>&1
+  LOGS="ops-2 phases threads"
 fi
 tar -czf $OUT/rowlogs-$PART.tgz -C $W $(cd $W && ls *.log) 2>/dev/null
 for f in $LOGS; do echo "== $f"; grep -E "^(torch|dstrain|deepspeed|lightning) +(stage|none)|phases|ops ready|FAILED|passed|failed|Error" $OUT/$f.log | grep -v "  -  "; done

@@ -22,7 +22,9 @@ def speed_up_offload(engine, env) -> dict[str, bool]:
     applied = {"syncs": remove_offload_syncs(engine),
                "grads": not switched_off(env, "DSTRAIN_OFFLOAD_GRADS") and direct_zero3_offload_grads(engine),
                "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
-    applied["overlap"] = not switched_off(env, "DSTRAIN_OFFLOAD_OVERLAP") and overlap_zero3_offload_step(engine)
+    overlap = env.get("DSTRAIN_OFFLOAD_OVERLAP", "").strip()  # off, or the worker's CPU threads (for tuning)
+    applied["overlap"] = not switched_off(env, "DSTRAIN_OFFLOAD_OVERLAP") and overlap_zero3_offload_step(
+        engine, int(overlap) if overlap.isdigit() else 0)
     return applied
 
 

@@ -31,9 +31,10 @@ import types
 from dstrain.rank.offload_step_zero3 import begin_step, chunk_updater, has_chunked_step, warn_on_allocator_flushes
 
 
-def overlap_zero3_offload_step(engine) -> bool:
-    """Run `engine`'s chunked ZeRO-3 offload step beside the next forward; False (nothing changed)
-    where the chunked step is not installed or the optimizer's partitions are not laid out as expected."""
+def overlap_zero3_offload_step(engine, threads: int = 0) -> bool:
+    """Run `engine`'s chunked ZeRO-3 offload step beside the next forward, on `threads` CPU threads (0: one
+    fewer than the rank's, leaving a core to the main thread); False (nothing changed) where the chunked
+    step is not installed or the optimizer's partitions are not laid out as expected."""
     optimizer = getattr(engine, "optimizer", None)
     needed = ("fp16_partitioned_groups", "reset_cpu_buffers", "invalidate_secondary_tensor", "partition_grads",
               "state_dict", "load_state_dict")
@@ -47,7 +48,7 @@ def overlap_zero3_offload_step(engine) -> bool:
     if layout is None:
         return False
     order, ready_after = layout
-    overlap = StepBesideForward(order, ready_after, _accelerator_device(optimizer))
+    overlap = StepBesideForward(order, ready_after, _accelerator_device(optimizer), threads)
     for param in engine.module.parameters():
         if hasattr(param, "all_gather") and hasattr(param, "all_gather_coalesced"):
             _gate_gathers(param, overlap)
@@ -98,8 +99,8 @@ def chunk_layout(optimizer, module):
 class StepBesideForward:
     """The worker thread that updates the chunks of one step after another, and the waits on it."""
 
-    def __init__(self, order, ready_after: dict, device):
-        self.order, self.ready_after, self.device = order, ready_after, device
+    def __init__(self, order, ready_after: dict, device, threads: int = 0):
+        self.order, self.ready_after, self.device, self.threads = order, ready_after, device, threads
         self.done = len(order)  # chunks of the current step updated and landed
         self.running = False
         self.error: BaseException | None = None
@@ -162,7 +163,9 @@ class StepBesideForward:
 
         if self.device is not None:
             torch.cuda.set_device(self.device)
-        if torch.get_num_threads() >= 4:  # leave a core to the main thread, which launches the forward
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        elif torch.get_num_threads() >= 4:  # leave a core to the main thread, which launches the forward
             torch.set_num_threads(torch.get_num_threads() - 1)
         while True:
             updaters = self._jobs.get()
