@@ -101,7 +101,8 @@ class StepBesideForward:
 
     def __init__(self, order, ready_after: dict, device, threads: int = 0):
         self.order, self.ready_after, self.device, self.threads = order, ready_after, device, threads
-        self.done = len(order)  # chunks of the current step updated and landed
+        self.queued = len(order)  # chunks of the current step updated on the host, their copies queued
+        self.events: list = []  # per queued chunk: an event after its copies (None where there are none)
         self.running = False
         self.error: BaseException | None = None
         self.steps = 0  # steps the worker finished
@@ -126,21 +127,29 @@ class StepBesideForward:
         """Update each chunk with updaters[sub_group](start, end), in order, on the worker."""
         self.raise_error()
         with self._changed:
-            self.done, self.running = 0, True
+            self.queued, self.events, self.running = 0, [], True
         self._jobs.put(updaters)
 
     def wait_for(self, params) -> None:
-        """Return once every parameter in `params` has its partition updated."""
+        """Return once every parameter in `params` has its partition updated on the host, with the current
+        stream ordered after the copies of its bf16 values (the gather that follows reads them)."""
         if not self.running:
             self.raise_error()
             return
         need = max((self.ready_after.get(getattr(p, "ds_id", None), -1) for p in params), default=-1)
+        if need < 0:
+            return
         with self._changed:
-            if self.done <= need:
+            if self.queued <= need:
                 self.waits += 1
-            while self.done <= need and self.error is None:
+            while self.queued <= need and self.error is None:
                 self._changed.wait()
+            event = self.events[need] if self.queued > need else None
         self.raise_error()
+        if event is not None:  # the device waits, not the host: copies of later chunks keep flowing
+            import torch
+
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def drain(self) -> None:
         """Return once the step in progress (if any) has finished."""
@@ -177,31 +186,24 @@ class StepBesideForward:
                     self._changed.notify_all()
 
     def _update_all(self, updaters) -> None:
-        landed = None  # (event, position): the last chunk whose copies were queued
+        event = None
         for position, (sub_group, start, end) in enumerate(self.order):
             with self.stream_context():
                 updaters[sub_group](start, end)
-                event = None
                 if self.device is not None:
                     import torch
 
                     event = torch.cuda.Event()
                     event.record()
-            if landed is not None:
-                self._landed(*landed)
-            landed = (event, position)
-        if landed is not None:
-            self._landed(*landed)
+            with self._changed:
+                self.events.append(event)
+                self.queued = position + 1
+                self._changed.notify_all()
+        if event is not None:  # the step is over once its last copy has landed
+            event.synchronize()
         with self._changed:
             self.running = False
             self.steps += 1
-            self._changed.notify_all()
-
-    def _landed(self, event, position: int) -> None:
-        if event is not None:
-            event.synchronize()
-        with self._changed:
-            self.done = position + 1
             self._changed.notify_all()
 
 
