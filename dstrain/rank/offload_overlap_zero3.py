@@ -6,15 +6,17 @@ docs/benchmarks.md finding 24) and the next forward, about 120 ms there, used to
 Here the step does what must happen at once on the main thread (the overflow check, the global norm,
 counting the Adam step and reading its rate) and hands the chunks to a worker thread; the next
 forward starts at once. A parameter is gathered (forward or backward fetch, prefetch,
-GatheredParameters) only after every chunk of its partition has been updated and its bf16 copy has
-landed: each parameter's all_gather and all_gather_coalesced wait for that. The chunks go in the
+GatheredParameters) only after every chunk of its partition has been updated: each parameter's
+all_gather and all_gather_coalesced wait on the host for the update and make the gathering stream
+wait on the device for the chunks' bf16 copies. The chunks go in the
 order the model first uses their parameters (module registration order: the embedding, then block by
 block), so the forward follows the step block by block instead of waiting for all of it.
 
 What reads or writes the optimizer's host buffers waits for the whole step first: the next
 backward's gradient copies (partition_grads), the next step, the optimizer's state_dict and
 load_state_dict, the engine's save_checkpoint and load_checkpoint. Only the main thread talks to
-other ranks: the worker runs DeepSpeed's CPU Adam (which releases the GIL) and queues its copies on a
+other ranks: the worker runs DeepSpeed's CPU Adam kernel, through a binding that releases the GIL
+(adam_nogil.py: DeepSpeed's own holds it, and stopped the training thread), and queues its copies on a
 stream of its own. DeepSpeed's step ends by gathering the persistent (small) parameters; here the
 next forward gathers them, through the same wait. The arithmetic is the chunked step's, which is
 DeepSpeed's (tests/test_offload_step_zero3.py compares them bit for bit with the worker slowed down).
@@ -28,6 +30,7 @@ import queue
 import threading
 import types
 
+from dstrain.rank.adam_nogil import adam_without_gil
 from dstrain.rank.offload_step_zero3 import begin_step, chunk_updater, has_chunked_step, warn_on_allocator_flushes
 
 
@@ -47,8 +50,12 @@ def overlap_zero3_offload_step(engine, threads: int = 0) -> bool:
     layout = chunk_layout(optimizer, engine.module)
     if layout is None:
         return False
+    adam_op = adam_without_gil(optimizer.optimizer)
+    if adam_op is None:  # DeepSpeed's binding would stop the training thread during every update
+        return False
     order, ready_after = layout
     overlap = StepBesideForward(order, ready_after, _accelerator_device(optimizer), threads)
+    overlap.adam_op = adam_op
     for param in engine.module.parameters():
         if hasattr(param, "all_gather") and hasattr(param, "all_gather_coalesced"):
             _gate_gathers(param, overlap)
@@ -101,6 +108,7 @@ class StepBesideForward:
 
     def __init__(self, order, ready_after: dict, device, threads: int = 0):
         self.order, self.ready_after, self.device, self.threads = order, ready_after, device, threads
+        self.adam_op = None  # DeepSpeed's Adam kernel with the GIL released (adam_nogil.py)
         self.queued = len(order)  # chunks of the current step updated on the host, their copies queued
         self.events: list = []  # per queued chunk: an event after its copies (None where there are none)
         self.running = False
@@ -218,7 +226,8 @@ def _overlapped_step(self, closure=None):
     for sub_group_id in range(len(self.fp16_groups)):  # views into the flat partitions: values land later
         self._unflatten_partitioned_parameters(sub_group_id)
     with overlap.stream_context():  # staging made on the worker's stream
-        updaters = [chunk_updater(self, sub_group_id, factor) for sub_group_id in range(len(self.fp16_groups))]
+        updaters = [chunk_updater(self, sub_group_id, factor, overlap.adam_op)
+                    for sub_group_id in range(len(self.fp16_groups))]
     overlap.start(updaters)
     self.reset_cpu_buffers()
     self.invalidate_secondary_tensor()

@@ -163,11 +163,12 @@ def _update_partition(self, group_index: int, partition_id: int, factor: float) 
             device_bit16.data[start:end].copy_(host_bit16.data[start:end], non_blocking=True)
 
 
-def adam_chunk_update(adam, group: dict, master, factor: float):
+def adam_chunk_update(adam, group: dict, master, factor: float, op=None):
     """DeepSpeedCPUAdam.step for one fp32 partition, cut by chunk: it counts the step (initialising the
     moments on the first, as DeepSpeedCPUAdam does) and returns update(start, end), which unscales that
-    chunk of the gradient by `factor` and runs DeepSpeed's Adam kernel on it; None without a gradient.
-    Chunks must start on SIMD_BLOCK boundaries for the values to be DeepSpeed's."""
+    chunk of the gradient by `factor` and runs DeepSpeed's Adam kernel on it (through `op`, an op with
+    the same adam_update and the optimizer registered under adam.opt_id, or adam's own); None without a
+    gradient. Chunks must start on SIMD_BLOCK boundaries for the values to be DeepSpeed's."""
     import torch
 
     grad = master.grad
@@ -185,12 +186,13 @@ def adam_chunk_update(adam, group: dict, master, factor: float):
     step, lr, (beta1, beta2), eps = state["step"], group["lr"], group["betas"], group["eps"]
     decay, bias_correction = group["weight_decay"], group["bias_correction"]
     weights, exp_avg, exp_avg_sq = master.data, state["exp_avg"], state["exp_avg_sq"]
+    adam_update = (op or adam.ds_opt_adam).adam_update
 
     def update(start: int, end: int) -> None:
         grad_chunk = grad.data[start:end]
         if factor != 1.0:
             grad_chunk.mul_(factor)
-        adam.ds_opt_adam.adam_update(adam.opt_id, step, lr, beta1, beta2, eps, decay, bias_correction,
+        adam_update(adam.opt_id, step, lr, beta1, beta2, eps, decay, bias_correction,
                                      weights[start:end], grad_chunk, exp_avg[start:end], exp_avg_sq[start:end])
     return update
 

@@ -135,11 +135,12 @@ def _update_sub_group(self, sub_group_id: int, factor: float) -> None:
         update_chunk(start, min(start + self._dstrain_chunk, size))
 
 
-def chunk_updater(self, sub_group_id: int, factor: float):
+def chunk_updater(self, sub_group_id: int, factor: float, adam_op=None):
     """update_chunk(start, end): unscale, Adam, and the rounding to bf16 into the sub-group's bf16
     partition, for one chunk (what unscale_and_clip_grads, DeepSpeedCPUAdam.step and the copy after it
     do). The Adam step is counted, and its rate read, when this is called. Copies to the accelerator go
-    on the current stream of the thread that calls update_chunk; chunks must start on SIMD_BLOCK."""
+    on the current stream of the thread that calls update_chunk; chunks must start on SIMD_BLOCK.
+    `adam_op`: the Adam kernel's op, if not DeepSpeed's binding (see adam_chunk_update)."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
@@ -149,7 +150,7 @@ def chunk_updater(self, sub_group_id: int, factor: float):
     bit16 = self.fp16_partitioned_groups_flat[sub_group_id]
     on_host = bit16.device.type == "cpu"
     round_on_device = master.is_pinned() and (not on_host or bit16.is_pinned())
-    update = adam_chunk_update(adam, group, master, factor)
+    update = adam_chunk_update(adam, group, master, factor, adam_op)
     weights, chunk = master.data, self._dstrain_chunk
     if round_on_device:
         device = bit16.device if not on_host else torch.device(get_accelerator().current_device_name())
