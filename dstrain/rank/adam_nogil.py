@@ -5,7 +5,7 @@ DeepSpeed 0.19's cpu_adam binding holds the GIL for the whole update (a few ms p
 so a step on a worker thread stopped the training thread's Python for as long: measured on one H100,
 the overlapped 1.3B step ran about 100 ms slower than on the main thread and the run lost 5-20%.
 This op compiles DeepSpeed's own kernel source (csrc/adam/cpu_adam_impl.cpp, unchanged) with a
-binding of ours (dstrain/csrc/cpu_adam_nogil.cpp) that releases the GIL: the same arithmetic, bit for
+binding of ours (cpu_adam_nogil.cpp, beside this file) that releases the GIL: the same arithmetic, bit for
 bit. It is JIT-built like DeepSpeed's ops, once per machine (about a minute), into the same cache.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BINDING = Path(__file__).resolve().parent.parent / "csrc" / "cpu_adam_nogil.cpp"
+BINDING = Path(__file__).resolve().parent / "cpu_adam_nogil.cpp"
 
 
 def load_adam_without_gil():
