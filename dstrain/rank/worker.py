@@ -241,8 +241,10 @@ def main(argv: list[str]) -> int:
         print(f"rank {_rank()}: cannot write its heartbeat under {run_dir / rundir.RANKS}: {err}", file=sys.stderr)
     from dstrain.errors import UserError
     from dstrain.rank.health import RunUnhealthy
+    from dstrain.rank.runtime import close_process_groups
     try:
         code = run(run_dir, caught, previous_handlers)
+        close_process_groups()
         record(run_dir, "exit", "ok")
         return code
     except UserError as err:
