@@ -192,8 +192,8 @@ def adam_chunk_update(adam, group: dict, master, factor: float, op=None):
         grad_chunk = grad.data[start:end]
         if factor != 1.0:
             grad_chunk.mul_(factor)
-        adam_update(adam.opt_id, step, lr, beta1, beta2, eps, decay, bias_correction,
-                                     weights[start:end], grad_chunk, exp_avg[start:end], exp_avg_sq[start:end])
+        adam_update(adam.opt_id, step, lr, beta1, beta2, eps, decay, bias_correction, weights[start:end], grad_chunk,
+                    exp_avg[start:end], exp_avg_sq[start:end])
     return update
 
 
