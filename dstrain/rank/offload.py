@@ -18,13 +18,12 @@ def speed_up_offload(engine, env) -> dict[str, bool]:
     """Apply what covers `engine`; which changes applied. DSTRAIN_OFFLOAD_CHUNKS=off keeps DeepSpeed's
     step, DSTRAIN_OFFLOAD_GRADS=off its ZeRO-3 gradient copies, DSTRAIN_OFFLOAD_OVERLAP=off runs the ZeRO-3
     step before the next forward instead of beside it (for measuring each change)."""
-    chunk = chunk_elements_from_env(env)
+    chunk = number_or_switch(env, "DSTRAIN_OFFLOAD_CHUNKS", DEFAULT_CHUNK_ELEMENTS)  # elements a chunk
+    threads = number_or_switch(env, "DSTRAIN_OFFLOAD_OVERLAP", -1)  # the worker's CPU threads; -1: its default
     applied = {"syncs": remove_offload_syncs(engine),
                "grads": not switched_off(env, "DSTRAIN_OFFLOAD_GRADS") and direct_zero3_offload_grads(engine),
                "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
-    overlap = env.get("DSTRAIN_OFFLOAD_OVERLAP", "").strip()  # off, or the worker's CPU threads (for tuning)
-    applied["overlap"] = not switched_off(env, "DSTRAIN_OFFLOAD_OVERLAP") and overlap_zero3_offload_step(
-        engine, int(overlap) if overlap.isdigit() else 0)
+    applied["overlap"] = threads != 0 and overlap_zero3_offload_step(engine, max(threads, 0))
     return applied
 
 
@@ -42,10 +41,10 @@ def describe(applied: dict[str, bool]) -> str | None:
     return "CPU offload, dstrain's changes: " + "; ".join(parts) if parts else None
 
 
-def chunk_elements_from_env(env) -> int:
-    """DSTRAIN_OFFLOAD_CHUNKS: off (0/off/false/no: DeepSpeed's own step), a number of elements per chunk
-    (for tuning), or unset for the default."""
-    if switched_off(env, "DSTRAIN_OFFLOAD_CHUNKS"):
+def number_or_switch(env, name: str, default: int) -> int:
+    """A DSTRAIN_* switch that also takes a number (for tuning): 0 where it is off (0/off/false/no), the
+    number where one larger than 1 is given, `default` where it is unset or on."""
+    if switched_off(env, name):
         return 0
-    value = env.get("DSTRAIN_OFFLOAD_CHUNKS", "").strip()
-    return int(value) if value.isdigit() else DEFAULT_CHUNK_ELEMENTS
+    value = env.get(name, "").strip()
+    return int(value) if value.isdigit() and int(value) > 1 else default

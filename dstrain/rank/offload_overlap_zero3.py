@@ -194,13 +194,13 @@ class StepBesideForward:
                     self._changed.notify_all()
 
     def _update_all(self, updaters) -> None:
+        import torch
+
         event = None
         for position, (sub_group, start, end) in enumerate(self.order):
             with self.stream_context():
                 updaters[sub_group](start, end)
                 if self.device is not None:
-                    import torch
-
                     event = torch.cuda.Event()
                     event.record()
             with self._changed:
