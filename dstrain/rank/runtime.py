@@ -38,10 +38,10 @@ def init_rank(collective_timeout_s: float | None = None):
 
 
 def close_process_groups() -> None:
-    """Destroy every process group at the end of a rank's run. A process that exits with gloo's groups
-    alive can abort in the interpreter's teardown ("terminate called without an active exception",
-    exit -6: seen once in this project's CI; pytorch/pytorch#190489), and NCCL warns about it. Called
-    only after a run that returned: the collectives are over on every rank."""
+    """Destroy every process group at the end of a rank's run, as torch asks: a process that exits with
+    gloo's groups alive can abort in the interpreter's teardown ("terminate called without an active
+    exception", pytorch/pytorch#190489), and NCCL warns about it. Called only after a run that returned:
+    the collectives are over on every rank."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
