@@ -278,6 +278,28 @@ def _profile(step_fn, next_batch, device, steps: int) -> dict:
     return {"kernel_ms_per_step": kernel_us / 1000 / steps, "top_device": by_device, "top_host": by_host}
 
 
+def _python_profile(step_fn, next_batch, device, steps: int) -> dict:
+    """cProfile over `steps` steps on this rank: which Python functions (DeepSpeed's hooks, its
+    bookkeeping) the host spends a step in, by own time and by time including callees."""
+    import cProfile
+    import io
+    import pstats
+    import torch
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step_fn(next_batch())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    profiler.disable()
+    tables = {}
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(40)
+        tables[order] = text.getvalue()
+    return {"steps": steps, "by_own_time": tables["tottime"], "by_total_time": tables["cumulative"]}
+
+
 def _phase_times(engine, next_batch, device, steps: int) -> dict:
     """Median milliseconds of forward, backward and optimizer step over `steps` steps, the device
     synchronised between phases: where a step's time goes, at the price of the overlap between them."""
@@ -399,6 +421,11 @@ def worker(spec_path: Path) -> int:
         result["profile"] = _profile(
             step_fn, lambda: _to_device(rank_batch(train_sampler, next(counter), 0, rank, world,
                                                    t.micro_batch_size, 1), device), device, 4)
+    if spec.get("pyprofile"):
+        counter = iter(range(t.max_steps + 30, 10**9))
+        result["pyprofile"] = _python_profile(
+            step_fn, lambda: _to_device(rank_batch(train_sampler, next(counter), 0, rank, world,
+                                                   t.micro_batch_size, 1), device), device, 6)
     if spec.get("phases") and spec["runner"] == "deepspeed":
         counter = iter(range(t.max_steps + 10, 10**9))
         result["phases_ms"] = _phase_times(
@@ -624,7 +651,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
                 "profile": args.profile and runner in args.profile_runners,
                 "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags,
                 "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags,
-                "phases": "phases" in flags, "early_prepare": "early_prepare" in flags}
+                "phases": "phases" in flags, "pyprofile": "pyprofile" in flags, "early_prepare": "early_prepare" in flags}
         spec_path = work / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
         Path(spec["result_path"]).unlink(missing_ok=True)
@@ -657,7 +684,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
             result = json.loads(Path(spec["result_path"]).read_text())
             intervals = result["intervals"]
             row["peak_gpu_gib"] = result["peak_gpu_gib"]
-            for key in ("profile", "phases_ms"):
+            for key in ("profile", "phases_ms", "pyprofile"):
                 if key in result:
                     row[key] = result[key]
         tokens_per_step = args.micro_batch * max(gpus, 1) * args.seq_len
@@ -690,6 +717,7 @@ def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     +dstrain_offload (deepspeed runner: dstrain's offload changes on the hand-built engine),
     +phases (deepspeed runner: after the measured loop, 6 steps timed phase by phase, forward, backward
     and optimizer step, with the device synchronised between them),
+    +pyprofile (torch/deepspeed runners: after the measured loop, cProfile of rank 0 over 6 steps),
     +early_prepare (torch/deepspeed runners: first what an early-started dstrain rank does at its start
     gate: imports, torch._dynamo, the CUDA context),
     +env:NAME=VALUE (the row's processes get this environment variable, e.g. env:DSTRAIN_OFFLOAD_CHUNKS=off),
@@ -870,6 +898,8 @@ def main(argv: list[str]) -> int:
         if row.get("phases_ms"):
             print("  phases (ms, synchronised): " + ", ".join(f"{k} {v}" for k, v in row["phases_ms"].items()),
                   flush=True)
+        if row.get("pyprofile"):
+            print(row["pyprofile"]["by_own_time"][:6000] + "\n" + row["pyprofile"]["by_total_time"][:8000], flush=True)
         if row.get("profile"):
             prof = row["profile"]
             print(f"  profile: device kernels {prof['kernel_ms_per_step']:.1f} ms per step of {row['step_ms']:.1f} ms "
