@@ -133,15 +133,11 @@ def _torch_step(config, device, world: int, local_rank: int, compile_model: bool
     return step
 
 
-def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = False, zero3_host: bool = False):
+def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = False):
     """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it (+dstrain_offload: with
-    dstrain's offload changes applied to the engine, to measure them one by one; +zero3_host: with
-    dstrain's ZeRO-3 host trims)."""
+    dstrain's offload changes applied to the engine, to measure them one by one)."""
     import deepspeed
     from dstrain.models import build_model
-    if zero3_host:
-        from dstrain.rank.zero3_host import trim_zero3_host_work
-        print("dstrain ZeRO-3 host trims: " + ", ".join(trim_zero3_host_work(os.environ, device.type)), flush=True)
     model = build_model(config, ds_config, device)
     if config.train.activation_checkpointing:
         ac = ds_config.get("activation_checkpointing") or {}
@@ -383,8 +379,7 @@ def worker(spec_path: Path) -> int:
     else:
         import deepspeed
         deepspeed.init_distributed()
-        step_fn, engine = _deepspeed_step(config, spec["ds_config"], device, spec.get("dstrain_offload", False),
-                                          spec.get("zero3_host", False))
+        step_fn, engine = _deepspeed_step(config, spec["ds_config"], device, spec.get("dstrain_offload", False))
     rank, world = dist.get_rank(), dist.get_world_size()
     train_sampler, eval_sampler = build_samplers(config)
     t = config.train
@@ -656,7 +651,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
                 "profile": args.profile and runner in args.profile_runners,
                 "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags,
                 "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags,
-                "phases": "phases" in flags, "pyprofile": "pyprofile" in flags, "zero3_host": "zero3_host" in flags, "early_prepare": "early_prepare" in flags}
+                "phases": "phases" in flags, "pyprofile": "pyprofile" in flags, "early_prepare": "early_prepare" in flags}
         spec_path = work / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
         Path(spec["result_path"]).unlink(missing_ok=True)
@@ -722,7 +717,6 @@ def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     +dstrain_offload (deepspeed runner: dstrain's offload changes on the hand-built engine),
     +phases (deepspeed runner: after the measured loop, 6 steps timed phase by phase, forward, backward
     and optimizer step, with the device synchronised between them),
-    +zero3_host (deepspeed runner: dstrain's ZeRO-3 host trims, dstrain/rank/zero3_host.py, installed first),
     +pyprofile (torch/deepspeed runners: after the measured loop, cProfile of rank 0 over 6 steps),
     +early_prepare (torch/deepspeed runners: first what an early-started dstrain rank does at its start
     gate: imports, torch._dynamo, the CUDA context),

@@ -195,13 +195,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     from dstrain.models import build_model
     from dstrain.rank.offload import describe, speed_up_offload
     from dstrain.rank.runtime import enable_activation_checkpointing
-    from dstrain.rank.zero3_host import trim_zero3_host_work
 
-    if (ds_config.get("zero_optimization") or {}).get("stage") == 3:  # before zero.Init builds the model
-        trims = trim_zero3_host_work(os.environ, device.type)
-        if trims and rank == 0:
-            print("ZeRO-3 host work, dstrain's trims: " + ", ".join(trims) + " (DSTRAIN_ZERO3_HOST=off: "
-                  "DeepSpeed's own)", flush=True)
     model = build_model(config, ds_config, device)
     if config.train.activation_checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
