@@ -52,6 +52,48 @@ def test_a_user_leaf_setting_and_other_stages_are_left_alone():
         assert "leaf_module" not in ds["zero_optimization"], preset
 
 
+GPT_406M = ["model.n_layer=24", "model.d_model=1024", "model.n_head=16", "model.vocab_size=100352", "data.seq_len=1024"]
+GPT_1_3B = ["model.n_layer=24", "model.d_model=2048", "model.n_head=16", "model.vocab_size=50304", "data.seq_len=1024"]
+ZERO = "deepspeed.zero_optimization"
+
+
+def test_stage3_keeps_a_small_gpts_blocks_whole_on_gpus():
+    resolved = resolve("stage3", None, GPT_406M, world_size=2, accelerator="cuda", env={})
+    zero = resolved.ds_config["zero_optimization"]
+    # the MLP's 4d x d weight is a block's largest: every block persists, the 100352 x 1024 embedding not
+    assert zero["stage3_param_persistence_threshold"] == 4 * 1024 * 1024
+    assert zero["memory_efficient_linear"] is False
+    assert resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"].startswith("dstrain default")
+
+
+@pytest.mark.parametrize("preset, sets, accelerator, threshold, linear", [
+    ("stage3", GPT_1_3B, "cuda", 100000, None),  # above 1B parameters: the shards are what stage 3 is for
+    ("stage3", GPT_406M, "cpu", 100000, None),  # measured on GPUs only
+    ("stage3_offload", GPT_406M, "cuda", 100000, None),  # with offload: not measured
+    ("stage3", GPT_406M + [f"{ZERO}.stage3_param_persistence_threshold=200000"], "cuda", 200000, None),  # the user's
+    ("stage3", GPT_406M + [f"{ZERO}.memory_efficient_linear=true"], "cuda", 100000, True),
+])
+def test_stage3_keeps_its_shards_elsewhere(preset, sets, accelerator, threshold, linear):
+    zero = resolve(preset, None, sets, world_size=2, accelerator=accelerator, env={}).ds_config["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == threshold
+    assert zero.get("memory_efficient_linear") == linear
+
+
+def test_the_estimate_counts_whole_blocks_on_every_gpu():
+    from dstrain.tools.estimate import memory as E
+    work = E.Workload(params=405_899_264, largest_layer_params=100352 * 1024, n_layer=24, d_model=1024, n_head=16,
+                      seq_len=1024, micro_batch=8, activation_checkpointing=False, cpu_checkpointing=False,
+                      precision="bf16", vocab_size=100352)
+    hw = E.Hardware(gpus_per_node=2, nodes=1, gpu_mem_bytes=80 * 2**30, cpu_mem_bytes=256 * 2**30,
+                    nvme_free_bytes=None, accelerator="cuda")
+    ds = resolve("stage3", None, GPT_406M, world_size=2, accelerator="cuda", env={}).ds_config
+    whole = E.estimate_one("stage3", E.placement_from_ds_config(ds), work, hw)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 100000
+    sharded = E.estimate_one("stage3", E.placement_from_ds_config(ds), work, hw)
+    persistent = work.params - 100352 * 1024  # all but the token embedding
+    assert whole.gpu_bytes_per_gpu - sharded.gpu_bytes_per_gpu == 2 * (persistent - persistent // 2)
+
+
 def test_counting_the_model_before_launch_does_not_import_torch_dynamo():
     code = ("import sys; from dstrain.models import count_model; from dstrain.models.gpt import GPT; "
             "print(count_model(lambda: GPT(256, 32, 64, 2, 2))[0], 'torch._dynamo' in sys.modules)")

@@ -28,6 +28,7 @@ from dstrain.errors import Problem, UserError
 
 ENV_DEEPSPEED_CONFIG = "PL_DEEPSPEED_CONFIG_PATH"
 DEFAULT_RANK = 0
+PRESET_RANK = 1  # a preset's values: above dstrain's defaults, below everything the user gives
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def collect_layers(preset: str | None, config_file: Path | None, sets: list[str]
             path = preset_path(chosen, "--preset" if preset else f"--config {config_file}: preset")
             data = read_mapping(path, f"preset {normalize(chosen)}")
             data.pop("preset", None)
-            layers.append(Layer(Source(1, f"preset {normalize(chosen)}"), data))
+            layers.append(Layer(Source(PRESET_RANK, f"preset {normalize(chosen)}"), data))
         except UserError as err:
             problems += err.problems
     if config_file is not None:

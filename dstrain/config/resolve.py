@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from dstrain.config import autos, deepspeed_checks
 from dstrain.config import deepspeed_keys as dsk
 from dstrain.config.deepspeed_keys import AUTO
-from dstrain.config.layers import DEFAULT, Merged, Source, collect_layers, flatten, get_path, merge, set_path
+from dstrain.config.layers import DEFAULT, PRESET_RANK, Merged, Source, collect_layers, flatten, get_path, merge, set_path
 from dstrain.config.schema import RunConfig
 from dstrain.errors import Problem, UserError
 
@@ -115,7 +115,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     precision = _resolve_precision(config, merged, accelerator, problems, notes)
     config.train.precision = precision
     _resolve_batch(config, merged, world_size, problems, notes)
-    rendered = _render(config, merged, notes, problems)
+    rendered = _render(config, merged, notes, problems, accelerator)
     autos.check_autos_left(rendered, merged, ignored, problems)
     _cross_field_checks(rendered, merged, problems)
     _resolve_compile(config, rendered, accelerator, notes)
@@ -311,7 +311,8 @@ def _resolve_batch(config: RunConfig, merged: Merged, world: int, problems: list
         "train.global_batch_size / deepspeed.train_batch_size", fix))
 
 
-def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: list[Problem]) -> dict[str, Any]:
+def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: list[Problem],
+            accelerator: str) -> dict[str, Any]:
     """The explicit DeepSpeed config: batch keys, precision, optimizer, scheduler; no "auto" left."""
     train = config.train
     ds = copy.deepcopy(merged.data["deepspeed"])
@@ -320,7 +321,7 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
     ds["train_batch_size"] = train.global_batch_size
     ds["gradient_clipping"] = train.grad_clip
     _render_precision(ds, train, notes)
-    _render_speed_defaults(ds, config, notes)
+    _render_speed_defaults(ds, config, merged, accelerator, notes)
     _render_optimizer(ds, train, merged, notes, problems)
     _render_scheduler(ds, train, merged, notes, problems)
     autos.fill_width_autos(ds, config, notes)
@@ -359,9 +360,10 @@ def _render_precision(ds: dict[str, Any], train, notes: dict[str, str]) -> None:
         notes["deepspeed.bf16.check_grad_overflow"] = "dstrain default: no per-gradient overflow check in bf16"
 
 
-def _render_speed_defaults(ds: dict[str, Any], config: RunConfig, notes: dict[str, str]) -> None:
-    """dstrain's measured defaults where the user set nothing: no device-syncing timer, and ZeRO-3
-    fetching a built-in GPT block as one unit."""
+def _render_speed_defaults(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str,
+                           notes: dict[str, str]) -> None:
+    """dstrain's measured defaults where the user set nothing: no device-syncing timer, ZeRO-3
+    fetching a built-in GPT block as one unit, and a small built-in GPT's blocks kept whole."""
     if "timers" not in ds:
         # DeepSpeed's throughput timer synchronizes the device twice a step; dstrain times steps itself.
         ds["timers"] = {"throughput": {"enabled": False}}
@@ -377,6 +379,40 @@ def _render_speed_defaults(ds: dict[str, Any], config: RunConfig, notes: dict[st
         # parameters on NVMe (unmeasured): a block at once needs more of its few swap buffers.
         zero["leaf_module"] = {"classes": [GPT_ZERO3_LEAF]}
         notes["deepspeed.zero_optimization.leaf_module"] = "dstrain default for the built-in GPT: a block is one ZeRO-3 fetch"
+    _render_small_gpt_persistence(zero, config, merged, accelerator, notes)
+
+
+# The built-in GPT's size up to which ZeRO-3 keeps every block whole on every rank: its 16-bit weights
+# then cost at most 2 GB a GPU more than their shard (docs/benchmarks.md, finding 30).
+SMALL_GPT_PARAMS = 1_000_000_000
+
+
+def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, accelerator: str,
+                                  notes: dict[str, str]) -> None:
+    """ZeRO-3 is host-bound on a small GPT: DeepSpeed's per-module fetch, release and re-fetch in
+    Python outlast the blocks' compute (the device was 55% busy on the 406M GPT, two H200s). Keeping
+    the blocks' parameters whole on every rank (persistent: never released, never gathered again) and
+    letting torch's linear keep its weight for the backward (DeepSpeed's memory-efficient linear exists
+    to not hold a gathered weight, which a persistent one is anyway) made the 406M GPT's stage 3 1.33-1.38x
+    on one H100 and 1.12x on two H200s (finding 30). Gradients and optimizer states stay sharded. Only
+    where the user set neither key, on GPUs, without offload (not measured there)."""
+    if not (config.model.name == "gpt" and accelerator == "cuda" and isinstance(zero, dict)
+            and zero.get("stage") == 3):
+        return
+    if any((zero.get(part) or {}).get("device", "none") != "none" for part in ("offload_param", "offload_optimizer")):
+        return
+    keys = ("stage3_param_persistence_threshold", "memory_efficient_linear", "stage3_model_persistence_threshold")
+    if any(merged.source_of(f"deepspeed.zero_optimization.{key}").rank > PRESET_RANK for key in keys):
+        return  # the user's choice stands
+    m = config.model
+    params = m.vocab_size * m.d_model + config.data.seq_len * m.d_model + m.n_layer * 12 * m.d_model ** 2
+    if params > SMALL_GPT_PARAMS:
+        return
+    zero["stage3_param_persistence_threshold"] = 4 * m.d_model ** 2  # a block's largest weight (the MLP's)
+    zero["memory_efficient_linear"] = False
+    notes["deepspeed.zero_optimization.stage3_param_persistence_threshold"] = (
+        f"dstrain default for a built-in GPT under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each block stays whole on every rank")
+    notes["deepspeed.zero_optimization.memory_efficient_linear"] = "dstrain default with blocks kept whole"
 
 
 def _render_optimizer(ds: dict[str, Any], train, merged: Merged, notes: dict[str, str],

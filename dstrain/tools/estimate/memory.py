@@ -64,7 +64,9 @@ Working buffers on the GPU:
   DeepSpeed's `largest_layer_memory`), plus more gathered parameters kept live up to
   `stage3_max_live_parameters` (prefetched parameters count towards that limit, so
   `stage3_prefetch_bucket_size` adds nothing on top). Small persistent parameters
-  (`stage3_param_persistence_threshold`) are a few MB for a GPT and are not counted.
+  (`stage3_param_persistence_threshold` at DeepSpeed's 1e5) are a few MB for a GPT and are not counted;
+  a larger threshold (dstrain's for a small built-in GPT keeps every block whole) is: those parameters
+  cost 2 bytes each on every GPU instead of 2/N.
 - ZeRO-1/2 with offload_optimizer=cpu: dstrain's offload step sends each chunk of updated fp32
   weights to a GPU staging buffer and rounds it to bf16 there: 4 bytes x min(8M, P), 32 MiB at most.
 - gradient reduction buckets with contiguous_gradients: `reduce_bucket_size` elements of w bytes,
@@ -193,6 +195,8 @@ class Placement:
     contiguous_gradients: bool = True
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000  # DeepSpeed's default
+    """Stage 3 keeps parameters of up to this many elements whole on every rank."""
     sub_group_size: int = 1_000_000_000
     optimizer_buffer_count: int = 4
     """offload_optimizer.buffer_count: pinned swap buffers for NVMe."""
@@ -309,6 +313,9 @@ def placement_from_ds_config(ds: dict) -> Placement:
                                           defaults.stage3_max_live_parameters),
         stage3_prefetch_bucket_size=number(zero, ("stage3_prefetch_bucket_size", "prefetch_bucket_size"), z,
                                            defaults.stage3_prefetch_bucket_size),
+        stage3_param_persistence_threshold=number(zero, ("stage3_param_persistence_threshold",
+                                                         "param_persistence_threshold"), z,
+                                                  defaults.stage3_param_persistence_threshold),
         sub_group_size=number(zero, ("sub_group_size",), z, defaults.sub_group_size),
         optimizer_buffer_count=number(opt_section, ("buffer_count",), f"{z}.offload_optimizer",
                                       defaults.optimizer_buffer_count),
@@ -382,6 +389,14 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
     precision = placement.precision or work.precision
     w = 2 if precision in ("bf16", "fp16") else 4
     states = _model_states(placement, work.params, -(-work.params // hw.total_gpus), w)
+    if (placement.stage == 3 and placement.offload_param == "none"
+            and placement.stage3_param_persistence_threshold > DEEPSPEED_PERSISTENCE_THRESHOLD):
+        # Persistent parameters are whole on every rank, not a shard: what they add over it (DeepSpeed's
+        # default keeps a few MB of LayerNorms whole, left out as the formulas above say).
+        persistent = _persistent_numel(work, placement.stage3_param_persistence_threshold)
+        extra = w * (persistent - -(-persistent // hw.total_gpus))
+        if extra:
+            states["gpu"]["params_persistent"] = extra
     act_gpu, act_host = _activations(work, w)
     gpu_breakdown, gpu_total = _gpu_side(placement, work, hw, w, states["gpu"], act_gpu)
     cpu_breakdown, cpu_total = _host_side(placement, work, hw, w, states["cpu"], act_host)
@@ -422,6 +437,19 @@ def _placement_notes(placement: Placement, hw: Hardware) -> list[str]:
     if placement.offload_optimizer == "nvme" and placement.stage != 3:
         notes.append("offload_optimizer=nvme needs stage 3 in DeepSpeed; estimated as if it ran")
     return notes
+
+
+DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
+
+
+def _persistent_numel(work: Workload, threshold: int) -> int:
+    """Elements of the (GPT-shaped) model's parameters of at most `threshold` elements each: ZeRO-3
+    keeps those whole. Per block: qkv 3d x d, projection d x d, MLP 4d x d twice, two LayerNorms
+    (4d); the token and position embeddings; the final LayerNorm."""
+    d = work.d_model
+    sizes = [(3 * d * d, work.n_layer), (d * d, work.n_layer), (4 * d * d, 2 * work.n_layer),
+             (d, 4 * work.n_layer), (work.vocab_size * d, 1), (work.seq_len * d, 1), (d, 2)]
+    return min(work.params, sum(numel * count for numel, count in sizes if numel <= threshold))
 
 
 def _model_states(placement: Placement, P: int, n: int, w: int) -> dict[str, dict[str, int]]:
