@@ -393,9 +393,11 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
     Python outlast the blocks' compute (the device was 55% busy on the 406M GPT, two H200s). Keeping
     the blocks' parameters whole on every rank (persistent: never released, never gathered again) and
     letting torch's linear keep its weight for the backward (DeepSpeed's memory-efficient linear exists
-    to not hold a gathered weight, which a persistent one is anyway) made the 406M GPT's stage 3 1.33-1.38x
-    on one H100 and 1.12x on two H200s (finding 30). Gradients and optimizer states stay sharded. Only
-    where the user set neither key, on GPUs, without offload (not measured there)."""
+    to not hold a gathered weight, which a persistent one is anyway) took dstrain's stage3 on the 406M GPT
+    from 0.48 to 0.61 of torch on one H100 (medians of three pairs) and the hand loop 1.12x on two H200s
+    (docs/benchmarks.md, finding 30). Gradients and optimizer states stay sharded; every GPU holds the
+    blocks' 16-bit weights whole. Only where the user set none of the keys, on GPUs, without offload
+    (not measured there), under 1B parameters (at 1.3B two GPUs were not measured)."""
     if not (config.model.name == "gpt" and accelerator == "cuda" and isinstance(zero, dict)
             and zero.get("stage") == 3):
         return
