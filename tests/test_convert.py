@@ -29,6 +29,7 @@ from dstrain.tools.convert import (
     to_universal,
 )
 from dstrain.errors import UserError
+from dstrain.launcher.supervise import remove_allreduce_buffers
 
 FIXTURES = Path(__file__).parent / "convert_fixtures"
 sys.path.insert(0, str(FIXTURES))
@@ -60,9 +61,14 @@ def free_port() -> int:
 def launch(num_ranks: int, script: str, *args: str, cwd: Path) -> None:
     """Run SCRIPT with the real deepspeed launcher on NUM_RANKS CPU ranks."""
     launcher = Path(sys.executable).parent / "deepspeed"
-    command = [str(launcher), "--num_gpus", str(num_ranks), "--master_port", str(free_port()),
+    port = free_port()
+    command = [str(launcher), "--num_gpus", str(num_ranks), "--master_port", str(port),
                str(FIXTURES / script), *args]
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+    remove_allreduce_buffers(port)  # as `dstrain run` does: none of an earlier job's, none left behind
+    try:
+        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+    finally:
+        remove_allreduce_buffers(port)
     if result.returncode != 0:
         pytest.fail(f"{' '.join(command)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
 

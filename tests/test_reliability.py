@@ -612,3 +612,21 @@ def test_read_only_run_dir_is_refused_clearly(tmp_path):
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
     assert f"--run-dir {mount / 'run'}: cannot write the run directory: Read-only file system" in message
+
+
+def test_deepspeed_cpu_allreduce_buffers_of_the_jobs_port_are_removed_before_it_starts():
+    """A rank maps the other ranks' /dev/shm all-reduce buffers by name as soon as they exist: one left
+    by an earlier job on the same port would be read before its new owner writes it."""
+    from dstrain.launcher.supervise import start_launcher
+    port = f"7{os.getpid()}"
+    stale = [Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}" for rank in (0, 1)]
+    other = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}1_0"  # another job's port
+    try:
+        for path in stale + [other]:
+            path.write_bytes(b"x")
+        process = start_launcher([sys.executable, "-c", "pass", "--master_port", port], dict(os.environ))
+        assert process.wait(timeout=60) == 0
+        assert not any(path.exists() for path in stale) and other.exists()
+    finally:
+        for path in stale + [other]:
+            path.unlink(missing_ok=True)

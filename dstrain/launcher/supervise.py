@@ -64,10 +64,16 @@ def _stop_ranks(run_dir: Path, sig: int, own_ranks: range | None = None, skip: f
 def _remove_shm_buffers(command: list[str]) -> None:
     """DeepSpeed's CPU shared-memory all-reduce leaves one /dev/shm file (~66 MB) per local rank and
     job behind, even after a clean exit; left alone they fill host RAM run after run."""
-    port = command[command.index("--master_port") + 1] if "--master_port" in command else None
-    if port is None:
-        return
-    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+    if "--master_port" in command:
+        remove_allreduce_buffers(command[command.index("--master_port") + 1])
+
+
+def remove_allreduce_buffers(port: int | str) -> None:
+    """Remove this user's DeepSpeed CPU all-reduce buffers of jobs on `port`
+    (/dev/shm/deepspeed_allreduce_buffer_<uid>_<address>_<port>_<rank>). Before a job too: a rank maps
+    the other ranks' buffers by name as soon as they exist, so one left by an earlier job on the same
+    port would be read, with that job's handshake flags, before its new owner writes it."""
+    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
         try:
             leftover.unlink()
         except OSError:
@@ -96,6 +102,7 @@ def start_launcher(command: list[str], env: dict[str, str]) -> subprocess.Popen:
     it directly (rank 0's live progress bar needs a terminal); otherwise their output is piped through
     here (supervise's reader) and the launcher's chatter is filtered out."""
     interactive = sys.stdout.isatty()
+    _remove_shm_buffers(command)  # an earlier job's, on the port this one takes
     return subprocess.Popen(command, env=env, stdout=None if interactive else subprocess.PIPE,
                             stderr=None if interactive else subprocess.STDOUT,
                             start_new_session=True, text=True, bufsize=1)
