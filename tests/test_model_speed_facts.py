@@ -66,8 +66,13 @@ def test_stage3_keeps_a_small_gpts_blocks_whole_on_gpus():
     assert resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"].startswith("dstrain default")
 
 
+def test_stage3_on_one_gpu_keeps_blocks_whole_at_any_size():  # one rank's shard is the whole model
+    zero = resolve("stage3", None, GPT_1_3B, world_size=1, accelerator="cuda", env={}).ds_config["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == 4 * 2048 * 2048 and zero["memory_efficient_linear"] is False
+
+
 @pytest.mark.parametrize("preset, sets, accelerator, threshold, linear", [
-    ("stage3", GPT_1_3B, "cuda", 100000, None),  # above 1B parameters: the shards are what stage 3 is for
+    ("stage3", GPT_1_3B, "cuda", 100000, None),  # above 1B parameters on two GPUs: the shards are what stage 3 is for
     ("stage3", GPT_406M, "cpu", 100000, None),  # measured on GPUs only
     ("stage3_offload", GPT_406M, "cuda", 100000, None),  # with offload: not measured
     ("stage3", GPT_406M + [f"{ZERO}.stage3_param_persistence_threshold=200000"], "cuda", 200000, None),  # the user's

@@ -115,7 +115,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     precision = _resolve_precision(config, merged, accelerator, problems, notes)
     config.train.precision = precision
     _resolve_batch(config, merged, world_size, problems, notes)
-    rendered = _render(config, merged, notes, problems, accelerator)
+    rendered = _render(config, merged, notes, problems, accelerator, world_size)
     autos.check_autos_left(rendered, merged, ignored, problems)
     _cross_field_checks(rendered, merged, problems)
     _resolve_compile(config, rendered, accelerator, notes)
@@ -312,7 +312,7 @@ def _resolve_batch(config: RunConfig, merged: Merged, world: int, problems: list
 
 
 def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: list[Problem],
-            accelerator: str) -> dict[str, Any]:
+            accelerator: str, world: int) -> dict[str, Any]:
     """The explicit DeepSpeed config: batch keys, precision, optimizer, scheduler; no "auto" left."""
     train = config.train
     ds = copy.deepcopy(merged.data["deepspeed"])
@@ -321,7 +321,7 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
     ds["train_batch_size"] = train.global_batch_size
     ds["gradient_clipping"] = train.grad_clip
     _render_precision(ds, train, notes)
-    _render_speed_defaults(ds, config, merged, accelerator, notes)
+    _render_speed_defaults(ds, config, merged, accelerator, world, notes)
     _render_optimizer(ds, train, merged, notes, problems)
     _render_scheduler(ds, train, merged, notes, problems)
     autos.fill_width_autos(ds, config, notes)
@@ -360,7 +360,7 @@ def _render_precision(ds: dict[str, Any], train, notes: dict[str, str]) -> None:
         notes["deepspeed.bf16.check_grad_overflow"] = "dstrain default: no per-gradient overflow check in bf16"
 
 
-def _render_speed_defaults(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str,
+def _render_speed_defaults(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str, world: int,
                            notes: dict[str, str]) -> None:
     """dstrain's measured defaults where the user set nothing: no device-syncing timer, ZeRO-3
     fetching a built-in GPT block as one unit, and a small built-in GPT's blocks kept whole."""
@@ -379,7 +379,7 @@ def _render_speed_defaults(ds: dict[str, Any], config: RunConfig, merged: Merged
         # parameters on NVMe (unmeasured): a block at once needs more of its few swap buffers.
         zero["leaf_module"] = {"classes": [GPT_ZERO3_LEAF]}
         notes["deepspeed.zero_optimization.leaf_module"] = "dstrain default for the built-in GPT: a block is one ZeRO-3 fetch"
-    _render_small_gpt_persistence(zero, config, merged, accelerator, notes)
+    _render_small_gpt_persistence(zero, config, merged, accelerator, world, notes)
 
 
 # The built-in GPT's size up to which ZeRO-3 keeps every block whole on every rank: its 16-bit weights
@@ -387,7 +387,7 @@ def _render_speed_defaults(ds: dict[str, Any], config: RunConfig, merged: Merged
 SMALL_GPT_PARAMS = 1_000_000_000
 
 
-def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, accelerator: str,
+def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, accelerator: str, world: int,
                                   notes: dict[str, str]) -> None:
     """ZeRO-3 is host-bound on a small GPT: DeepSpeed's per-module fetch, release and re-fetch in
     Python outlast the blocks' compute (the device was 55% busy on the 406M GPT, two H200s). Keeping
@@ -397,7 +397,8 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
     from 0.48 to 0.61 of torch on one H100 (medians of three pairs) and the hand loop 1.12x on two H200s
     (docs/benchmarks.md, finding 30). Gradients and optimizer states stay sharded; every GPU holds the
     blocks' 16-bit weights whole. Only where the user set none of the keys, on GPUs, without offload
-    (not measured there), under 1B parameters (at 1.3B two GPUs were not measured)."""
+    (not measured there), under 1B parameters (at 1.3B two GPUs were not measured), or at any size on
+    one GPU, where one rank's shard is the whole model anyway (1.3B: 1.07-1.09x, the same peak memory)."""
     if not (config.model.name == "gpt" and accelerator == "cuda" and isinstance(zero, dict)
             and zero.get("stage") == 3):
         return
@@ -408,11 +409,12 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
         return  # the user's choice stands
     m = config.model
     params = m.vocab_size * m.d_model + config.data.seq_len * m.d_model + m.n_layer * 12 * m.d_model ** 2
-    if params > SMALL_GPT_PARAMS:
+    if params > SMALL_GPT_PARAMS and world > 1:
         return
     zero["stage3_param_persistence_threshold"] = 4 * m.d_model ** 2  # a block's largest weight (the MLP's)
     zero["memory_efficient_linear"] = False
     notes["deepspeed.zero_optimization.stage3_param_persistence_threshold"] = (
+        "dstrain default on one GPU: each block stays whole" if world == 1 else
         f"dstrain default for a built-in GPT under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each block stays whole on every rank")
     notes["deepspeed.zero_optimization.memory_efficient_linear"] = "dstrain default with blocks kept whole"
 
