@@ -9,7 +9,7 @@ from dstrain.errors import UserError
 
 # Fastest first, as measured (docs/benchmarks.md): each step down trades speed for memory, and
 # `dstrain estimate` / `--preset auto` take the first that fits. stage3 before stage2_offload: where
-# stage 1/2 do not fit, stage 3 ran 0.61-0.77 of plain PyTorch on one GPU against stage2_offload's 0.28-0.35.
+# stage 1/2 do not fit, stage 3 ran 0.61-0.89 of plain PyTorch on one GPU against stage2_offload's 0.28-0.35.
 PRESET_ORDER = ("stage1", "stage2", "stage3", "stage2_offload", "stage3_offload", "stage3_nvme")
 
 
