@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dstrain.rank.offload import number_or_switch
+from dstrain.switches import number_or_switch
 
 
 def test_an_offload_switch_reads_off_on_and_a_number():

@@ -11,7 +11,7 @@ from dstrain.rank.offload_overlap_zero3 import overlap_zero3_offload_step
 from dstrain.rank.offload_step import DEFAULT_CHUNK_ELEMENTS, chunk_offload_step
 from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
 from dstrain.rank.offload_syncs import remove_offload_syncs
-from dstrain.switches import switched_off
+from dstrain.switches import number_or_switch, switched_off
 
 
 def speed_up_offload(engine, env) -> dict[str, bool]:
@@ -39,12 +39,3 @@ def describe(applied: dict[str, bool]) -> str | None:
     if applied.get("overlap"):
         parts.append("the step beside the next forward (DSTRAIN_OFFLOAD_OVERLAP=off: before it)")
     return "CPU offload, dstrain's changes: " + "; ".join(parts) if parts else None
-
-
-def number_or_switch(env, name: str, default: int) -> int:
-    """A DSTRAIN_* switch that also takes a number (for tuning): 0 where it is off (0/off/false/no), the
-    number where one larger than 1 is given, `default` where it is unset or on."""
-    if switched_off(env, name):
-        return 0
-    value = env.get(name, "").strip()
-    return int(value) if value.isdigit() and int(value) > 1 else default

@@ -195,7 +195,7 @@ class Placement:
     contiguous_gradients: bool = True
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000  # DeepSpeed's default
+    stage3_param_persistence_threshold: int = 100_000  # DeepSpeed's default (DEEPSPEED_PERSISTENCE_THRESHOLD)
     """Stage 3 keeps parameters of up to this many elements whole on every rank."""
     sub_group_size: int = 1_000_000_000
     optimizer_buffer_count: int = 4
