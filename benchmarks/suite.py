@@ -411,6 +411,9 @@ def worker(spec_path: Path) -> int:
             elapsed = time.perf_counter() - start
             intervals.append({"step": step + 1, "steps": steps_in, "seconds": elapsed, "loss": loss_value,
                               "time": time.time()})
+            if rank == 0:  # progress in the row's log: a row killed at its timeout still shows its steps
+                print(f"interval to step {step + 1}: {steps_in} steps in {elapsed:.3f} s, loss {loss_value:.4f}",
+                      flush=True)
             loss_sum.zero_()
             start, steps_in = time.perf_counter(), 0
     peak_gpu = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
