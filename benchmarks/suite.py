@@ -133,7 +133,7 @@ def _torch_step(config, device, world: int, local_rank: int, compile_model: bool
     return step
 
 
-def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = False, dc_z3_only: bool = False):
+def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = False, dc_full_schedule: bool = False):
     """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it (+dstrain_offload: with
     dstrain's offload changes applied to the engine, to measure them one by one)."""
     import deepspeed
@@ -153,11 +153,11 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
         from dstrain.rank.offload import speed_up_offload
         applied = speed_up_offload(engine, os.environ)
         print("dstrain offload changes: " + ", ".join(f"{k} {v}" for k, v in applied.items()), flush=True)
-    if config.train.compile and dc_z3_only:  # DeepCompile's gather/release pass alone: no profiled passes
-        from deepspeed.compile.passes.zero3_compile import add_z3_gather_release
-        engine.compile(schedule=[(0, [add_z3_gather_release])])
-    elif config.train.compile:
+    if config.train.compile and dc_full_schedule:  # DeepSpeed's own DeepCompile schedule, profiled passes too
         engine.compile()
+    elif config.train.compile:  # as dstrain's worker compiles (DeepCompile's schedule included)
+        from dstrain.rank.runtime import compile_engine
+        compile_engine(engine, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
 
     def step(batch):
         loss = engine(batch)
@@ -383,7 +383,7 @@ def worker(spec_path: Path) -> int:
         import deepspeed
         deepspeed.init_distributed()
         step_fn, engine = _deepspeed_step(config, spec["ds_config"], device, spec.get("dstrain_offload", False),
-                                          spec.get("dc_z3_only", False))
+                                          spec.get("dc_full_schedule", False))
     rank, world = dist.get_rank(), dist.get_world_size()
     train_sampler, eval_sampler = build_samplers(config)
     t = config.train
@@ -657,7 +657,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
                 "ds_config": resolved.ds_config, "result_path": str(work / f"{tag}.result.json"),
                 "profile": args.profile and runner in args.profile_runners,
                 "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags,
-                "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags, "dc_z3_only": "dc_z3_only" in flags,
+                "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags, "dc_full_schedule": "dc_full_schedule" in flags,
                 "phases": "phases" in flags, "pyprofile": "pyprofile" in flags, "early_prepare": "early_prepare" in flags}
         spec_path = work / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -724,8 +724,9 @@ def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     +dstrain_offload (deepspeed runner: dstrain's offload changes on the hand-built engine),
     +phases (deepspeed runner: after the measured loop, 6 steps timed phase by phase, forward, backward
     and optimizer step, with the device synchronised between them),
-    +dc_z3_only (deepspeed runner with deepspeed.compile.deepcompile: DeepCompile's ZeRO-3 gather/release
-    pass only, without the prefetch and selective-gather passes it profiles for at step 5),
+    +dc_full_schedule (deepspeed runner with deepspeed.compile.deepcompile: DeepSpeed's own DeepCompile
+    schedule, with the prefetch and selective-gather passes it profiles for at step 5, where dstrain
+    runs the gather/release pass alone on one GPU),
     +pyprofile (torch/deepspeed runners: after the measured loop, cProfile of rank 0 over 6 steps),
     +early_prepare (torch/deepspeed runners: first what an early-started dstrain rank does at its start
     gate: imports, torch._dynamo, the CUDA context),

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from dstrain.config.resolve import GPT_ZERO3_LEAF, resolve
+from dstrain.config.resolve import resolve
+from dstrain.config.speed_defaults import GPT_ZERO3_LEAF
 from dstrain.hardware import dense_bf16_peak_tflops
 
 SMALL = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.vocab_size=256", "data.seq_len=32"]
@@ -66,8 +67,9 @@ def test_stage3_keeps_a_small_gpts_blocks_whole_on_gpus():
     assert resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"].startswith("dstrain default")
 
 
-def test_stage3_on_one_gpu_keeps_blocks_whole_at_any_size():  # one rank's shard is the whole model
-    zero = resolve("stage3", None, GPT_1_3B, world_size=1, accelerator="cuda", env={}).ds_config["zero_optimization"]
+def test_eager_stage3_on_one_gpu_keeps_blocks_whole_at_any_size():  # one rank's shard is the whole model
+    eager = GPT_1_3B + ["deepspeed.compile.deepcompile=false"]
+    zero = resolve("stage3", None, eager, world_size=1, accelerator="cuda", env={}).ds_config["zero_optimization"]
     assert zero["stage3_param_persistence_threshold"] == 4 * 2048 * 2048 and zero["memory_efficient_linear"] is False
 
 

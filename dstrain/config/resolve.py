@@ -25,8 +25,9 @@ from pydantic import ValidationError
 from dstrain.config import autos, deepspeed_checks
 from dstrain.config import deepspeed_keys as dsk
 from dstrain.config.deepspeed_keys import AUTO
-from dstrain.config.layers import DEFAULT, PRESET_RANK, Merged, Source, collect_layers, flatten, get_path, merge, set_path
+from dstrain.config.layers import DEFAULT, Merged, Source, collect_layers, flatten, get_path, merge, set_path
 from dstrain.config.schema import RunConfig
+from dstrain.config.speed_defaults import check_deepcompile, compile_warnings, render_speed_defaults, resolve_compile
 from dstrain.errors import Problem, UserError
 
 ENV_STRICT = "DSTRAIN_STRICT"
@@ -48,10 +49,6 @@ OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "onebitadam
 
 SECRET_KEY = re.compile(r"(^|_)(api_?key|token|password|secret)$", re.IGNORECASE)
 REDACTED = "<redacted>"
-
-# The built-in GPT's transformer block (dstrain.models.gpt.Block), named here without importing torch.
-GPT_ZERO3_LEAF = "dstrain.models.gpt.Block"
-
 
 @dataclass
 class ResolvedConfig:
@@ -118,8 +115,9 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     rendered = _render(config, merged, notes, problems, accelerator, world_size)
     autos.check_autos_left(rendered, merged, ignored, problems)
     _cross_field_checks(rendered, merged, problems)
-    _resolve_compile(config, rendered, accelerator, notes)
-    _compile_warnings(config, rendered, merged, warnings)
+    resolve_compile(config, rendered, accelerator, notes)
+    check_deepcompile(config, rendered, merged, accelerator, problems)
+    compile_warnings(config, rendered, merged, warnings)
     _one_gpu_stage3_warning(rendered, merged, world_size, accelerator, warnings)
     _nvme_reuse_warning(rendered, merged, warnings)
     _partial_offload_warning(rendered, merged, warnings)
@@ -321,7 +319,7 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
     ds["train_batch_size"] = train.global_batch_size
     ds["gradient_clipping"] = train.grad_clip
     _render_precision(ds, train, notes)
-    _render_speed_defaults(ds, config, merged, accelerator, world, notes)
+    render_speed_defaults(ds, config, merged, accelerator, world, notes)
     _render_optimizer(ds, train, merged, notes, problems)
     _render_scheduler(ds, train, merged, notes, problems)
     autos.fill_width_autos(ds, config, notes)
@@ -358,65 +356,6 @@ def _render_precision(ds: dict[str, Any], train, notes: dict[str, str]) -> None:
         # fp16 risk the check exists for; as in plain PyTorch, a non-finite loss shows in the log.
         ds["bf16"]["check_grad_overflow"] = False
         notes["deepspeed.bf16.check_grad_overflow"] = "dstrain default: no per-gradient overflow check in bf16"
-
-
-def _render_speed_defaults(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str, world: int,
-                           notes: dict[str, str]) -> None:
-    """dstrain's measured defaults where the user set nothing: no device-syncing timer, ZeRO-3
-    fetching a built-in GPT block as one unit, and a small built-in GPT's blocks kept whole."""
-    if "timers" not in ds:
-        # DeepSpeed's throughput timer synchronizes the device twice a step; dstrain times steps itself.
-        ds["timers"] = {"throughput": {"enabled": False}}
-        notes["deepspeed.timers"] = "dstrain default: DeepSpeed's throughput timer off (dstrain measures throughput)"
-
-    zero = ds.get("zero_optimization")
-    if (config.model.name == "gpt" and isinstance(zero, dict) and zero.get("stage") == 3
-            and "leaf_module" not in zero and "stage3_module_granularity_threshold" not in zero
-            and (zero.get("offload_param") or {}).get("device") != "nvme"):
-        # ZeRO-3 hooks every module and gathers its parameters one module at a time; for the
-        # built-in GPT that made the step host-bound. Fetching each transformer block as one unit
-        # doubled stage 3's throughput on one H100 (docs/benchmarks.md, finding 14). Not with
-        # parameters on NVMe (unmeasured): a block at once needs more of its few swap buffers.
-        zero["leaf_module"] = {"classes": [GPT_ZERO3_LEAF]}
-        notes["deepspeed.zero_optimization.leaf_module"] = "dstrain default for the built-in GPT: a block is one ZeRO-3 fetch"
-    _render_small_gpt_persistence(zero, config, merged, accelerator, world, notes)
-
-
-# The built-in GPT's size up to which ZeRO-3 keeps every block whole on every rank: its 16-bit weights
-# then cost at most 2 GB a GPU more than their shard (docs/benchmarks.md, finding 30).
-SMALL_GPT_PARAMS = 1_000_000_000
-
-
-def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, accelerator: str, world: int,
-                                  notes: dict[str, str]) -> None:
-    """ZeRO-3 is host-bound on a small GPT: DeepSpeed's per-module fetch, release and re-fetch in
-    Python outlast the blocks' compute (the device was 55% busy on the 406M GPT, two H200s). Keeping
-    the blocks' parameters whole on every rank (persistent: never released, never gathered again) and
-    letting torch's linear keep its weight for the backward (DeepSpeed's memory-efficient linear exists
-    to not hold a gathered weight, which a persistent one is anyway) took dstrain's stage3 on the 406M GPT
-    from 0.48 to 0.61 of torch on one H100 (medians of three pairs) and the hand loop 1.12x on two H200s
-    (docs/benchmarks.md, finding 30). Gradients and optimizer states stay sharded; every GPU holds the
-    blocks' 16-bit weights whole. Only where the user set none of the keys, on GPUs, without offload
-    (not measured there), under 1B parameters (at 1.3B two GPUs were not measured), or at any size on
-    one GPU, where one rank's shard is the whole model anyway (1.3B: 1.07-1.09x, the same peak memory)."""
-    if not (config.model.name == "gpt" and accelerator == "cuda" and isinstance(zero, dict)
-            and zero.get("stage") == 3):
-        return
-    if any((zero.get(part) or {}).get("device", "none") != "none" for part in ("offload_param", "offload_optimizer")):
-        return
-    keys = ("stage3_param_persistence_threshold", "memory_efficient_linear", "stage3_model_persistence_threshold")
-    if any(merged.source_of(f"deepspeed.zero_optimization.{key}").rank > PRESET_RANK for key in keys):
-        return  # the user's choice stands
-    m = config.model
-    params = m.vocab_size * m.d_model + config.data.seq_len * m.d_model + m.n_layer * 12 * m.d_model ** 2
-    if params > SMALL_GPT_PARAMS and world > 1:
-        return
-    zero["stage3_param_persistence_threshold"] = 4 * m.d_model ** 2  # a block's largest weight (the MLP's)
-    zero["memory_efficient_linear"] = False
-    notes["deepspeed.zero_optimization.stage3_param_persistence_threshold"] = (
-        "dstrain default on one GPU: each block stays whole" if world == 1 else
-        f"dstrain default for a built-in GPT under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each block stays whole on every rank")
-    notes["deepspeed.zero_optimization.memory_efficient_linear"] = "dstrain default with blocks kept whole"
 
 
 def _render_optimizer(ds: dict[str, Any], train, merged: Merged, notes: dict[str, str],
@@ -498,44 +437,6 @@ def _integral_floats_to_int(node: dict) -> None:
             _integral_floats_to_int(value)
         elif isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
             node[key] = int(value)
-
-
-def _resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, notes: dict[str, str]) -> None:
-    """train.compile "auto": on only where compiling was measured faster (docs/benchmarks.md)."""
-    if config.train.compile != "auto":
-        return
-    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
-    offloaded = [part for part in ("offload_optimizer", "offload_param")
-                 if isinstance(zero.get(part), dict) and zero[part].get("device", "none") != "none"]
-    if accelerator != "cuda":
-        why_off = f"not on {accelerator}"
-    elif config.model.name != "gpt":
-        why_off = "your own model: set true to compile it"
-    elif config.train.precision != "bf16":
-        why_off = f"{config.train.precision} was not measured"
-    elif zero.get("stage", 0) == 3:
-        why_off = "ZeRO stage 3 measured slower compiled"
-    elif offloaded:
-        why_off = f"{offloaded[0]} was not measured"
-    elif config.train.activation_checkpointing:
-        why_off = "activation checkpointing was not measured"
-    else:
-        why_off = None
-    config.train.compile = why_off is None
-    notes["train.compile"] = "auto: on (the built-in GPT, bf16, CUDA, ZeRO 0-2)" if why_off is None else f"auto: off ({why_off})"
-
-
-def _compile_warnings(config: RunConfig, ds: dict[str, Any], merged: Merged, warnings: list[str]) -> None:
-    """Compilation settings that were measured to slow training down (docs/benchmarks.md, 2 x H200)."""
-    zero = ds.get("zero_optimization")
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    compile_section = ds.get("compile")
-    if isinstance(compile_section, dict) and compile_section.get("deepcompile") is True:
-        warnings.append(f"{_where(merged, 'deepspeed.compile.deepcompile')}: DeepCompile (DeepSpeed 0.19.8) ran "
-                        "ZeRO-3 at under 2% of its eager speed in dstrain's benchmark; measure before relying on it")
-    elif config.train.compile and stage == 3:
-        warnings.append(f"{_where(merged, 'train.compile')}: with ZeRO stage 3 compiling measured 0.52x of eager "
-                        "speed (stages 1 and 2 gained 15%); consider train.compile=false")
 
 
 def _one_gpu_stage3_warning(ds: dict[str, Any], merged: Merged, world: int, accelerator: str,

@@ -82,3 +82,19 @@ def enable_activation_checkpointing(model, ds_config: dict, rank: int) -> None:
     elif rank == 0:
         print("warning: train.activation_checkpointing is on, but the model has no enable_checkpointing(fn) "
               "method; it runs without checkpointing", file=sys.stderr)
+
+
+def compile_engine(engine, ds_config: dict, world: int) -> None:
+    """engine.compile(), after any checkpoint is loaded (DeepCompile registers each parameter's shard
+    when it starts). With DeepCompile's ZeRO-3 on one GPU, only its gather/release pass: DeepSpeed's
+    default schedule adds, at step 5, prefetch and selective-gather passes planned from a profile,
+    which cost a second compile (99.6 s on the 406M GPT, one H100) and measured no faster there
+    (88,146 against 83,929 tokens/s, inside the spread): one rank's gather is a local copy, nothing
+    to prefetch (docs/benchmarks.md, finding 32). A `compile.passes` of the user's keeps DeepSpeed's."""
+    compile_section = ds_config.get("compile") or {}
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if compile_section.get("deepcompile") is True and stage == 3 and world == 1 and not compile_section.get("passes"):
+        from deepspeed.compile.passes.zero3_compile import add_z3_gather_release
+        engine.compile(schedule=[(0, [add_z3_gather_release])])
+    else:
+        engine.compile()

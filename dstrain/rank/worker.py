@@ -135,7 +135,7 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
     from dstrain.rank.checkpointing import export_final
     from dstrain.rank.loop import train
     from dstrain.rank.metrics import MetricsLog
-    from dstrain.rank.runtime import init_rank, quiet_logging, seed_everything
+    from dstrain.rank.runtime import compile_engine, init_rank, quiet_logging, seed_everything
 
     quiet_logging(launch["verbose"])
     rank, world, device = init_rank(collective_timeout_s(launch.get("hang_timeout_s", 0)))
@@ -151,6 +151,8 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
     resume = launch.get("resume")
     restored = _restore(engine, resume, rank, world) if resume else None
     start_step = int(restored["step"]) if restored else 0
+    if config.train.compile:
+        compile_engine(engine, ds_config, world)
 
     tokens_per_step = config.train.global_batch_size * config.data.seq_len
     flops = flops_per_token(model, config, n_params)
@@ -188,7 +190,7 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
 
 
 def _build_engine(config, ds_config: dict, device, rank: int):
-    """(DeepSpeed engine, the model it wraps), activation checkpointing and compiling as configured."""
+    """(DeepSpeed engine, the model it wraps), with activation checkpointing as configured."""
     import deepspeed
 
     from dstrain.config.resolve import redact
@@ -205,8 +207,6 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     offload_changes = describe(speed_up_offload(engine, os.environ))  # CPU offload only (rank/offload.py)
     if offload_changes and rank == 0:
         print(offload_changes, flush=True)
-    if config.train.compile:
-        engine.compile()
     return engine, model
 
 

@@ -1,0 +1,176 @@
+"""dstrain's measured speed defaults for the DeepSpeed JSON, and the compile decisions that go with them.
+
+Each default is rendered only where it was measured faster (docs/benchmarks.md names the finding) and
+only where the user set none of its keys: a key set in a config file, by --set or by
+PL_DEEPSPEED_CONFIG_PATH always wins. `dstrain config --explain` shows each one with its reason.
+No torch import here: resolution runs before any rank starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dstrain.config.layers import PRESET_RANK, Merged
+from dstrain.config.schema import RunConfig
+from dstrain.errors import Problem
+
+# The built-in GPT's transformer block (dstrain.models.gpt.Block), named here without importing torch.
+GPT_ZERO3_LEAF = "dstrain.models.gpt.Block"
+
+# The built-in GPT's size up to which ZeRO-3 keeps every block whole on every rank: its 16-bit weights
+# then cost at most 2 GB a GPU more than their shard (docs/benchmarks.md, finding 30).
+SMALL_GPT_PARAMS = 1_000_000_000
+
+ZERO = "deepspeed.zero_optimization"
+
+
+def render_speed_defaults(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str, world: int,
+                          notes: dict[str, str]) -> None:
+    """No device-syncing timer; for the built-in GPT under ZeRO-3, DeepCompile where it was measured
+    faster, otherwise a block fetched as one unit and a small GPT's blocks kept whole."""
+    if "timers" not in ds:
+        # DeepSpeed's throughput timer synchronizes the device twice a step; dstrain times steps itself.
+        ds["timers"] = {"throughput": {"enabled": False}}
+        notes["deepspeed.timers"] = "dstrain default: DeepSpeed's throughput timer off (dstrain measures throughput)"
+
+    zero = ds.get("zero_optimization")
+    _render_deepcompile(ds, config, merged, accelerator, world, notes)
+    if deepcompile_on(ds):
+        return  # DeepCompile gathers and releases in the compiled graph: no module hooks to tune
+    if (config.model.name == "gpt" and isinstance(zero, dict) and zero.get("stage") == 3
+            and "leaf_module" not in zero and "stage3_module_granularity_threshold" not in zero
+            and (zero.get("offload_param") or {}).get("device") != "nvme"):
+        # ZeRO-3 hooks every module and gathers its parameters one module at a time; for the
+        # built-in GPT that made the step host-bound. Fetching each transformer block as one unit
+        # doubled stage 3's throughput on one H100 (docs/benchmarks.md, finding 14). Not with
+        # parameters on NVMe (unmeasured): a block at once needs more of its few swap buffers.
+        zero["leaf_module"] = {"classes": [GPT_ZERO3_LEAF]}
+        notes[f"{ZERO}.leaf_module"] = "dstrain default for the built-in GPT: a block is one ZeRO-3 fetch"
+    _render_small_gpt_persistence(zero, config, merged, accelerator, world, notes)
+
+
+def deepcompile_on(ds: dict[str, Any]) -> bool:
+    section = ds.get("compile")
+    return isinstance(section, dict) and section.get("deepcompile") is True
+
+
+def _zero3_without_offload(zero: Any) -> bool:
+    return (isinstance(zero, dict) and zero.get("stage") == 3
+            and all((zero.get(part) or {}).get("device", "none") == "none"
+                    for part in ("offload_param", "offload_optimizer")))
+
+
+def _render_deepcompile(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str, world: int,
+                        notes: dict[str, str]) -> None:
+    """DeepSpeed's DeepCompile for the built-in GPT's ZeRO-3 on one GPU. It compiles the model with the
+    parameter gathers and releases in the graph, so none of ZeRO-3's per-module Python hooks run: on
+    one H100 the 406M GPT went from 0.61 of plain PyTorch's speed (eager, blocks kept whole) to
+    0.74-0.78, with less GPU memory (docs/benchmarks.md, finding 32). Its cost is the first step:
+    torch compiles the model (about 80 s on that GPT until torch's compile cache is warm). Where:
+    bf16 on CUDA, no offload, no activation checkpointing, train.compile not false, and the user set
+    no deepspeed.compile.deepcompile; several GPUs were not measured."""
+    if not (config.model.name == "gpt" and accelerator == "cuda" and world == 1 and config.train.precision == "bf16"
+            and config.train.compile is not False and not config.train.activation_checkpointing
+            and _zero3_without_offload(ds.get("zero_optimization"))):
+        return
+    if merged.source_of("deepspeed.compile.deepcompile").rank > PRESET_RANK:
+        return  # the user's choice stands
+    zero = ds["zero_optimization"]
+    if "leaf_module" in zero or zero.get("stage3_module_granularity_threshold"):
+        return  # the user chose ZeRO-3's module fetching, which DeepCompile cannot trace
+    ds["compile"] = {**(ds.get("compile") if isinstance(ds.get("compile"), dict) else {}), "deepcompile": True}
+    notes["deepspeed.compile.deepcompile"] = ("dstrain default for the built-in GPT's ZeRO-3 on one GPU: "
+                                              "gathers compiled into the graph, no module hooks")
+
+
+def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, accelerator: str, world: int,
+                                  notes: dict[str, str]) -> None:
+    """ZeRO-3 is host-bound on a small GPT: DeepSpeed's per-module fetch, release and re-fetch in
+    Python outlast the blocks' compute (the device was 55% busy on the 406M GPT, two H200s). Keeping
+    the blocks' parameters whole on every rank (persistent: never released, never gathered again) and
+    letting torch's linear keep its weight for the backward (DeepSpeed's memory-efficient linear exists
+    to not hold a gathered weight, which a persistent one is anyway) took dstrain's stage3 on the 406M GPT
+    from 0.48 to 0.61 of torch on one H100 (medians of three pairs) and the hand loop 1.12x on two H200s
+    (docs/benchmarks.md, finding 30). Gradients and optimizer states stay sharded; every GPU holds the
+    blocks' 16-bit weights whole. Only where the user set none of the keys, on GPUs, without offload
+    (not measured there), under 1B parameters (at 1.3B two GPUs were not measured), or at any size on
+    one GPU, where one rank's shard is the whole model anyway (1.3B: 1.07-1.09x, the same peak memory)."""
+    if not (config.model.name == "gpt" and accelerator == "cuda" and _zero3_without_offload(zero)):
+        return
+    keys = ("stage3_param_persistence_threshold", "memory_efficient_linear", "stage3_model_persistence_threshold")
+    if any(merged.source_of(f"{ZERO}.{key}").rank > PRESET_RANK for key in keys):
+        return  # the user's choice stands
+    m = config.model
+    params = m.vocab_size * m.d_model + config.data.seq_len * m.d_model + m.n_layer * 12 * m.d_model ** 2
+    if params > SMALL_GPT_PARAMS and world > 1:
+        return
+    zero["stage3_param_persistence_threshold"] = 4 * m.d_model ** 2  # a block's largest weight (the MLP's)
+    zero["memory_efficient_linear"] = False
+    notes[f"{ZERO}.stage3_param_persistence_threshold"] = (
+        "dstrain default on one GPU: each block stays whole" if world == 1 else
+        f"dstrain default for a built-in GPT under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each block stays whole on every rank")
+    notes[f"{ZERO}.memory_efficient_linear"] = "dstrain default with blocks kept whole"
+
+
+def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, notes: dict[str, str]) -> None:
+    """train.compile "auto": on only where compiling was measured faster (docs/benchmarks.md), and
+    wherever DeepCompile is on, since engine.compile() is what starts it."""
+    if config.train.compile != "auto":
+        return
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    offloaded = [part for part in ("offload_optimizer", "offload_param")
+                 if isinstance(zero.get(part), dict) and zero[part].get("device", "none") != "none"]
+    if deepcompile_on(ds):
+        config.train.compile = True
+        notes["train.compile"] = "auto: on (DeepCompile starts with engine.compile())"
+        return
+    if accelerator != "cuda":
+        why_off = f"not on {accelerator}"
+    elif config.model.name != "gpt":
+        why_off = "your own model: set true to compile it"
+    elif config.train.precision != "bf16":
+        why_off = f"{config.train.precision} was not measured"
+    elif zero.get("stage", 0) == 3:
+        why_off = "ZeRO stage 3 measured slower compiled without DeepCompile"
+    elif offloaded:
+        why_off = f"{offloaded[0]} was not measured"
+    elif config.train.activation_checkpointing:
+        why_off = "activation checkpointing was not measured"
+    else:
+        why_off = None
+    config.train.compile = why_off is None
+    notes["train.compile"] = "auto: on (the built-in GPT, bf16, CUDA, ZeRO 0-2)" if why_off is None else f"auto: off ({why_off})"
+
+
+def check_deepcompile(config: RunConfig, ds: dict[str, Any], merged: Merged, accelerator: str,
+                      problems: list[Problem]) -> None:
+    """DeepCompile settings that cannot run: refused before any rank starts, not at the first step."""
+    if not deepcompile_on(ds):
+        return
+    where = merged.where("deepspeed.compile.deepcompile")
+    if accelerator != "cuda":
+        problems.append(Problem(f"DeepCompile needs CUDA: DeepSpeed has no {accelerator} implementation of its ops",
+                                where, "remove deepspeed.compile.deepcompile, or run on GPUs"))
+    if config.train.compile is False:
+        problems.append(Problem("DeepCompile starts with engine.compile(), which train.compile=false turns off",
+                                f"{where} / {merged.where('train.compile')}",
+                                "set train.compile=true (or auto), or remove deepspeed.compile.deepcompile"))
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    if zero.get("stage") == 3 and ("leaf_module" in zero or zero.get("stage3_module_granularity_threshold")):
+        key = "leaf_module" if "leaf_module" in zero else "stage3_module_granularity_threshold"
+        problems.append(Problem(
+            "DeepCompile cannot trace ZeRO-3 leaf modules: their backward hook breaks the compiled graph, and "
+            "the untraced forward then meets sharded weights ('weight' must be 2-D at the first step)",
+            f"{where} / {merged.where(f'{ZERO}.{key}')}",
+            f"remove deepspeed.zero_optimization.{key} (DeepCompile gathers each weight in the graph), "
+            "or deepspeed.compile.deepcompile"))
+
+
+def compile_warnings(config: RunConfig, ds: dict[str, Any], merged: Merged, warnings: list[str]) -> None:
+    """Compilation settings that were measured to slow training down (docs/benchmarks.md)."""
+    zero = ds.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if config.train.compile and stage == 3 and not deepcompile_on(ds):
+        warnings.append(f"{merged.where('train.compile')}: with ZeRO stage 3 compiling without DeepCompile "
+                        "measured 0.52x of eager speed (its gather hooks break the graph); consider "
+                        "train.compile=false, or deepspeed.compile.deepcompile=true")
