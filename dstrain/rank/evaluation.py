@@ -6,6 +6,7 @@ The launcher side of `dstrain eval` is dstrain/launcher/eval_job.py; it starts t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -31,7 +32,7 @@ def evaluate(engine, config: RunConfig, eval_sampler, device) -> float:
     batches = per_rank // micro
     engine.eval()
     total = torch.zeros((), device=device)
-    with torch.no_grad():
+    with torch.no_grad(), _attention_for_evaluation(engine):
         for i in range(batches):
             heartbeat.beat("eval")
             batch = eval_sampler.batch(rank * per_rank + i * micro, micro)
@@ -39,6 +40,17 @@ def evaluate(engine, config: RunConfig, eval_sampler, device) -> float:
     engine.train()
     dist.all_reduce(total)
     return total.item() / (batches * world)
+
+
+def _attention_for_evaluation(engine):
+    """Under DeepCompile, the evaluation graph (no_grad) compiled torch's cuDNN attention with an
+    alignment check on the log-sum-exp output, which that kernel leaves undefined without grad: the
+    check failed at the first evaluation (torch 2.11, DeepSpeed 0.19.8, H100; docs/benchmarks.md,
+    finding 32). Evaluation then uses the flash, memory-efficient or math kernels instead."""
+    if not engine.is_deepcompile_active():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
