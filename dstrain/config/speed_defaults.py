@@ -67,10 +67,10 @@ def _render_deepcompile(ds: dict[str, Any], config: RunConfig, merged: Merged, a
     one H100 the 406M GPT went from 0.61 of plain PyTorch's speed (eager, blocks kept whole) to
     0.74-0.78, with less GPU memory (docs/benchmarks.md, finding 32). Its cost is the first step:
     torch compiles the model (about 80 s on that GPT until torch's compile cache is warm). Where:
-    bf16 on CUDA, no offload, no activation checkpointing, train.compile not false, and the user set
+    bf16 weights on CUDA, no offload, no activation checkpointing, train.compile not false, and the user set
     no deepspeed.compile.deepcompile; several GPUs were not measured."""
     if not (config.model.name == "gpt" and accelerator == "cuda" and world == 1 and config.train.precision == "bf16"
-            and config.train.compile is not False and not config.train.activation_checkpointing
+            and config.train.mixed_precision != "autocast" and config.train.compile is not False and not config.train.activation_checkpointing
             and _zero3_without_offload(ds.get("zero_optimization"))):
         return
     if merged.source_of("deepspeed.compile.deepcompile").rank > PRESET_RANK:

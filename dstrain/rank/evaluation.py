@@ -32,25 +32,31 @@ def evaluate(engine, config: RunConfig, eval_sampler, device) -> float:
     batches = per_rank // micro
     engine.eval()
     total = torch.zeros((), device=device)
-    with torch.no_grad(), _attention_for_evaluation(engine):
+    with torch.no_grad(), _whole_model_under_deepcompile(engine) as forward:
         for i in range(batches):
             heartbeat.beat("eval")
             batch = eval_sampler.batch(rank * per_rank + i * micro, micro)
-            total += engine(to_device(batch, device)).float()
+            total += forward(to_device(batch, device)).float()
     engine.train()
     dist.all_reduce(total)
     return total.item() / (batches * world)
 
 
-def _attention_for_evaluation(engine):
-    """Under DeepCompile, the evaluation graph (no_grad) compiled torch's cuDNN attention with an
-    alignment check on the log-sum-exp output, which that kernel leaves undefined without grad: the
-    check failed at the first evaluation (torch 2.11, DeepSpeed 0.19.8, H100; docs/benchmarks.md,
-    finding 32). Evaluation then uses the flash, memory-efficient or math kernels instead."""
+def _whole_model_under_deepcompile(engine):
+    """DeepCompile compiles ZeRO-3's gathers into the training graph and removes ZeRO-3's module hooks.
+    A no_grad forward through it compiled a second graph, after which the next backward aborted in
+    DeepCompile's reduce buckets (DeepSpeed 0.19.8, one H100; docs/benchmarks.md, finding 32).
+    Evaluation then runs the model's own forward, uncompiled, with every parameter gathered while it
+    lasts: on one GPU, where dstrain turns DeepCompile on, one more 16-bit copy of the model."""
     if not engine.is_deepcompile_active():
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+        return contextlib.nullcontext(engine)
+    import deepspeed
+
+    @contextlib.contextmanager
+    def gathered():
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            yield engine.module.forward  # the module's forward, not its compiled call
+    return gathered()
 
 
 def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
