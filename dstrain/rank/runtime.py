@@ -85,16 +85,32 @@ def enable_activation_checkpointing(model, ds_config: dict, rank: int) -> None:
 
 
 def compile_engine(engine, ds_config: dict, world: int) -> None:
-    """engine.compile(), after any checkpoint is loaded (DeepCompile registers each parameter's shard
-    when it starts). With DeepCompile's ZeRO-3 on one GPU, only its gather/release pass: DeepSpeed's
-    default schedule adds, at step 5, prefetch and selective-gather passes planned from a profile,
-    which cost a second compile (99.6 s on the 406M GPT, one H100) and measured no faster there
-    (88,146 against 83,929 tokens/s, inside the spread): one rank's gather is a local copy, nothing
-    to prefetch (docs/benchmarks.md, finding 32). A `compile.passes` of the user's keeps DeepSpeed's."""
-    compile_section = ds_config.get("compile") or {}
+    """engine.compile(), after any checkpoint is loaded. With DeepCompile, dstrain hands DeepSpeed the
+    pass schedule itself, for two reasons (docs/benchmarks.md, finding 32):
+    - DeepSpeed's schedule starts at global step 0 and a resumed run starts later, so it never
+      started: the first step after a resume failed (its passes were None). Here it starts at the
+      step the run starts at.
+    - ZeRO-3 on one GPU: only the gather/release pass. DeepSpeed's default adds, 5 steps in, prefetch and
+      selective-gather passes planned from a profile, which cost a second compile (99.6 s on the
+      406M GPT, one H100) and measured no faster there (88,146 against 83,929 tokens/s, inside the
+      spread): one rank's gather is a local copy, nothing to prefetch. Several GPUs keep them.
+    A `compile.passes` or an offload pass of the user's keeps DeepSpeed's own schedule."""
+    section = ds_config.get("compile") or {}
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if compile_section.get("deepcompile") is True and stage == 3 and world == 1 and not compile_section.get("passes"):
-        from deepspeed.compile.passes.zero3_compile import add_z3_gather_release
-        engine.compile(schedule=[(0, [add_z3_gather_release])])
-    else:
+    own_schedule = section.get("passes") or any(section.get(key) for key in (
+        "offload_parameters", "offload_opt_states", "offload_activation"))
+    if section.get("deepcompile") is not True or stage not in (1, 2, 3) or own_schedule:
         engine.compile()
+        return
+    from deepspeed.compile.init_z3 import WARMUP
+    from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile, zero_1_and_2_compile
+    start = engine.global_steps
+    if stage in (1, 2):  # DeepSpeed's own ZeRO-1/2 schedule, one pass from the start
+        reduce = zero_1_and_2_compile.add_z1_reduce if stage == 1 else zero_1_and_2_compile.add_z2_reduce
+        engine.compile(schedule=[(start, [reduce])])
+        return
+    schedule = [(start, [zero3_compile.add_z3_gather_release])]
+    if world > 1:
+        schedule.append((start + WARMUP, [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch,
+                                          selective_gather.selective_gather]))
+    engine.compile(schedule=schedule)
