@@ -463,3 +463,9 @@ def test_unknown_preset_in_the_presets_command():
     result = CliRunner().invoke(app, ["presets", "stage7"])
     assert result.exit_code == 2
     assert "unknown preset 'stage7'" in result.stderr and "Traceback" not in result.output
+
+
+def test_deepcompile_on_cpu_is_refused_before_anything_runs():
+    message = config_fails("--preset", "stage3", "--set", "deepspeed.compile.deepcompile=true")
+    assert "--set: deepspeed.compile.deepcompile: DeepCompile needs CUDA" in message
+    assert fix_of(message, "DeepCompile needs CUDA") == "remove deepspeed.compile.deepcompile, or run on GPUs"

@@ -50,6 +50,10 @@ REFUSED_BY_DSTRAIN = {
 }
 
 
+# DeepCompile has no CPU implementation: these resolve for GPUs, and dstrain refuses them on CPU.
+CUDA_ONLY = {"deepspeed__tests_torch_compile_ds_config_z3_deepcompile_no_persist.json"}
+
+
 def world_for(ds: dict) -> int:
     """2 ranks, unless the file's own batch numbers were written for another world size (as
     DeepSpeed computes it: train = micro x accum x world)."""
@@ -63,11 +67,12 @@ def world_for(ds: dict) -> int:
     return 2
 
 
-def resolve_file(name: str):
+def resolve_file(name: str, accelerator: str | None = None):
     path = REALWORLD / name
     ds, _ = read_deepspeed_json(path, ENV_DEEPSPEED_CONFIG)
     world = world_for(ds)
-    return resolve(world_size=world, accelerator="cpu", env={ENV_DEEPSPEED_CONFIG: str(path)}), world
+    accelerator = accelerator or ("cuda" if name in CUDA_ONLY else "cpu")
+    return resolve(world_size=world, accelerator=accelerator, env={ENV_DEEPSPEED_CONFIG: str(path)}), world
 
 
 def test_the_corpus_has_at_least_40_files_each_named_in_sources():
@@ -103,6 +108,16 @@ def test_a_file_dstrain_refuses_on_purpose_says_why(name):
     with pytest.raises(UserError) as caught:
         resolve_file(name)
     assert REFUSED_BY_DSTRAIN[name] in str(caught.value)
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_ONLY))
+def test_a_deepcompile_file_runs_compiled_on_gpus_and_is_refused_on_cpu(name):
+    resolved, _ = resolve_file(name)
+    assert resolved.ds_config["compile"]["deepcompile"] is True and resolved.config.train.compile is True
+    assert "leaf_module" not in resolved.ds_config["zero_optimization"]  # DeepCompile cannot trace one
+    with pytest.raises(UserError) as caught:
+        resolve_file(name, accelerator="cpu")
+    assert "deepspeed.compile.deepcompile: DeepCompile needs CUDA" in str(caught.value)
 
 
 def test_string_values_are_read_as_deepspeeds_models_read_them():

@@ -107,3 +107,106 @@ def test_counting_the_model_before_launch_does_not_import_torch_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     from dstrain.models.gpt import GPT
     assert out == [str(sum(p.numel() for p in GPT(256, 32, 64, 2, 2).parameters())), "False"]
+
+
+LONG_RUN = ["train.max_steps=5000"]  # DeepCompile's ~100 s compile is repaid from ~4,000 passes (finding 32)
+
+
+def test_a_long_one_gpu_stage3_run_uses_deepcompile_instead_of_module_hooks():
+    resolved = resolve("stage3", None, GPT_406M + LONG_RUN, world_size=1, accelerator="cuda", env={})
+    zero = resolved.ds_config["zero_optimization"]
+    assert resolved.ds_config["compile"] == {"deepcompile": True} and resolved.config.train.compile is True
+    # no leaf module (DeepCompile cannot trace its backward hook) and DeepSpeed's own persistence
+    assert "leaf_module" not in zero and zero["stage3_param_persistence_threshold"] == 100000
+    assert "memory_efficient_linear" not in zero
+    assert resolved.sources["deepspeed.compile.deepcompile"].startswith("dstrain default")
+    assert resolved.sources["train.compile"] == "auto: on (DeepCompile starts with engine.compile())"
+
+
+def test_accumulated_micro_batches_count_towards_a_long_run():
+    sets = GPT_406M + ["train.max_steps=1250", "train.grad_accum_steps=4"]
+    assert resolve("stage3", None, sets, world_size=1, accelerator="cuda", env={}).ds_config["compile"]["deepcompile"]
+
+
+def test_a_short_run_stays_eager_and_says_why():
+    resolved = resolve("stage3", None, GPT_406M, world_size=1, accelerator="cuda", env={})  # 200 steps
+    assert resolved.ds_config["compile"] == {"deepcompile": False} and resolved.config.train.compile is False
+    assert "would not repay" in resolved.sources["deepspeed.compile.deepcompile"]
+    assert resolved.ds_config["zero_optimization"]["leaf_module"] == {"classes": [GPT_ZERO3_LEAF]}
+
+
+@pytest.mark.parametrize("preset, sets, world", [
+    ("stage3", [], 2),  # several GPUs: not measured
+    ("stage3_offload", [], 1),
+    ("stage3", ["train.activation_checkpointing=true"], 1),
+    ("stage3", ["train.mixed_precision=autocast"], 1),
+    ("stage3", ["train.compile=false"], 1),
+    ("stage3", [f"{ZERO}.stage3_module_granularity_threshold=5000"], 1),  # the user's module fetching
+    ("stage2", [], 1),
+])
+def test_deepcompile_is_not_chosen_where_it_was_not_measured(preset, sets, world):
+    resolved = resolve(preset, None, GPT_406M + LONG_RUN + sets, world_size=world, accelerator="cuda", env={})
+    assert (resolved.ds_config.get("compile") or {}).get("deepcompile") is not True
+
+
+def test_a_users_deepcompile_on_several_gpus_gets_no_module_fetching_defaults():
+    resolved = resolve("stage3", None, GPT_406M + ["deepspeed.compile.deepcompile=true"], world_size=2,
+                       accelerator="cuda", env={})
+    zero = resolved.ds_config["zero_optimization"]
+    assert resolved.config.train.compile is True and "leaf_module" not in zero and "memory_efficient_linear" not in zero
+    assert not any("0.52x" in w for w in resolved.warnings)  # the compile warning is for hooks, not DeepCompile
+
+
+@pytest.mark.parametrize("sets, accelerator, expected", [
+    ([f"{ZERO}.leaf_module.classes=[dstrain.models.gpt.Block]"], "cuda",
+     f"--set: {ZERO}.leaf_module"),
+    ([f"{ZERO}.stage3_module_granularity_threshold=5000"], "cuda", "remove deepspeed.zero_optimization."),
+    (["train.compile=false"], "cuda", "set train.compile=true (or auto)"),
+    ([], "cpu", "DeepCompile needs CUDA"),
+])
+def test_deepcompile_settings_that_cannot_run_are_refused_with_the_fix(sets, accelerator, expected):
+    from dstrain.errors import UserError
+    with pytest.raises(UserError) as caught:
+        resolve("stage3", None, SMALL + ["deepspeed.compile.deepcompile=true", *sets], world_size=1,
+                accelerator=accelerator, env={})
+    message = str(caught.value)
+    assert "--set: deepspeed.compile.deepcompile" in message and expected in message
+
+
+class _CompileRecorder:
+    """Records what dstrain's worker hands engine.compile() (DeepCompile itself needs CUDA)."""
+
+    def __init__(self, global_steps):
+        self.global_steps, self.schedules = global_steps, []
+
+    def compile(self, schedule=None):
+        self.schedules.append(schedule)
+
+
+@pytest.mark.parametrize("world, stage, resumed_at", [(1, 3, 0), (1, 3, 20), (2, 3, 20), (1, 2, 7)])
+def test_deepcompiles_schedule_starts_at_the_step_the_run_starts_at(world, stage, resumed_at):
+    from deepspeed.compile.passes import prefetch, zero3_compile, zero_1_and_2_compile
+
+    from dstrain.rank.runtime import compile_engine
+    engine = _CompileRecorder(resumed_at)
+    compile_engine(engine, {"compile": {"deepcompile": True}, "zero_optimization": {"stage": stage}}, world)
+    [schedule] = engine.schedules
+    assert schedule[0][0] == resumed_at  # DeepSpeed's own starts at 0, which a resumed run never reaches
+    if stage == 2:
+        assert schedule == [(resumed_at, [zero_1_and_2_compile.add_z2_reduce])]
+    elif world == 1:  # one GPU: the gather/release pass alone, no profiled passes
+        assert schedule == [(resumed_at, [zero3_compile.add_z3_gather_release])]
+    else:
+        assert prefetch.schedule_prefetch in schedule[1][1] and schedule[1][0] == resumed_at + 5
+
+
+@pytest.mark.parametrize("ds_config", [
+    {"zero_optimization": {"stage": 3}},  # no DeepCompile: torch.compile as is
+    {"compile": {"deepcompile": True, "passes": ["z3"]}, "zero_optimization": {"stage": 3}},  # the user's passes
+    {"compile": {"deepcompile": True}, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+])
+def test_deepspeeds_own_schedule_is_kept_where_dstrain_has_no_reason_to_choose(ds_config):
+    from dstrain.rank.runtime import compile_engine
+    engine = _CompileRecorder(0)
+    compile_engine(engine, ds_config, 1)
+    assert engine.schedules == [None]

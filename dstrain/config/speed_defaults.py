@@ -60,27 +60,41 @@ def _zero3_without_offload(zero: Any) -> bool:
                     for part in ("offload_param", "offload_optimizer")))
 
 
+# DeepCompile's compile at the start of every run (its graphs are not found in torch's compile cache:
+# ~100 s more to the first step on one H100, again on a second run) is repaid by its faster steps after
+# about 2,500 forward-backward passes on the 406M GPT and 4,000 on the 1.3B (docs/benchmarks.md, finding 32).
+DEEPCOMPILE_MIN_PASSES = 5_000
+
+
 def _render_deepcompile(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str, world: int,
                         notes: dict[str, str]) -> None:
-    """DeepSpeed's DeepCompile for the built-in GPT's ZeRO-3 on one GPU. It compiles the model with the
-    parameter gathers and releases in the graph, so none of ZeRO-3's per-module Python hooks run: on
-    one H100 the 406M GPT went from 0.61 of plain PyTorch's speed (eager, blocks kept whole) to
-    0.74-0.78, with less GPU memory (docs/benchmarks.md, finding 32). Its cost is the first step:
-    torch compiles the model (about 80 s on that GPT until torch's compile cache is warm). Where:
-    bf16 weights on CUDA, no offload, no activation checkpointing, train.compile not false, and the user set
-    no deepspeed.compile.deepcompile; several GPUs were not measured."""
+    """DeepSpeed's DeepCompile for the built-in GPT's ZeRO-3 on one GPU, in runs long enough to repay its
+    compile. It compiles the model with the parameter gathers and releases in the graph, so none of
+    ZeRO-3's per-module Python hooks run: on one H100, dstrain's stage3 on the 406M GPT went from
+    55,793 / 54,773 tokens/s (eager, blocks kept whole) to 83,154 / 70,695 in alternating pairs, on the
+    1.3B GPT from 38,202 to 44,007, with less GPU memory (14.85 against 21.44 GiB, 32.74 against
+    36.41) (docs/benchmarks.md, finding 32). Its cost is the first step: about 100 s more. Where: bf16
+    weights on CUDA, no offload, no activation checkpointing, train.compile not false, at least
+    DEEPCOMPILE_MIN_PASSES forward-backward passes, and the user set no deepspeed.compile.deepcompile;
+    several GPUs were not measured."""
     if not (config.model.name == "gpt" and accelerator == "cuda" and world == 1 and config.train.precision == "bf16"
-            and config.train.mixed_precision != "autocast" and config.train.compile is not False and not config.train.activation_checkpointing
-            and _zero3_without_offload(ds.get("zero_optimization"))):
+            and config.train.mixed_precision != "autocast" and config.train.compile is not False
+            and not config.train.activation_checkpointing and _zero3_without_offload(ds.get("zero_optimization"))):
         return
     if merged.source_of("deepspeed.compile.deepcompile").rank > PRESET_RANK:
         return  # the user's choice stands
     zero = ds["zero_optimization"]
     if "leaf_module" in zero or zero.get("stage3_module_granularity_threshold"):
         return  # the user chose ZeRO-3's module fetching, which DeepCompile cannot trace
-    ds["compile"] = {**(ds.get("compile") if isinstance(ds.get("compile"), dict) else {}), "deepcompile": True}
-    notes["deepspeed.compile.deepcompile"] = ("dstrain default for the built-in GPT's ZeRO-3 on one GPU: "
-                                              "gathers compiled into the graph, no module hooks")
+    passes = config.train.max_steps * config.train.grad_accum_steps
+    long_enough = passes >= DEEPCOMPILE_MIN_PASSES
+    # Written out either way, so that `dstrain config --explain` says which way it went and why.
+    ds["compile"] = {**(ds.get("compile") if isinstance(ds.get("compile"), dict) else {}), "deepcompile": long_enough}
+    notes["deepspeed.compile.deepcompile"] = (
+        f"dstrain default for the built-in GPT's ZeRO-3 on one GPU, {passes:,} forward-backward passes: "
+        "gathers compiled into the graph, no module hooks" if long_enough else
+        f"dstrain default: off, {passes:,} forward-backward passes would not repay DeepCompile's ~100 s compile "
+        f"(on from {DEEPCOMPILE_MIN_PASSES:,} on one GPU; set true to have it)")
 
 
 def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, accelerator: str, world: int,

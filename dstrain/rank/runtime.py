@@ -94,11 +94,13 @@ def compile_engine(engine, ds_config: dict, world: int) -> None:
       selective-gather passes planned from a profile, which cost a second compile (99.6 s on the
       406M GPT, one H100) and measured no faster there (88,146 against 83,929 tokens/s, inside the
       spread): one rank's gather is a local copy, nothing to prefetch. Several GPUs keep them.
-    A `compile.passes` or an offload pass of the user's keeps DeepSpeed's own schedule."""
+    A `compile.passes`, an offload pass or offloaded parameters keep DeepSpeed's own schedule."""
     section = ds_config.get("compile") or {}
-    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    own_schedule = section.get("passes") or any(section.get(key) for key in (
-        "offload_parameters", "offload_opt_states", "offload_activation"))
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    # DeepSpeed turns its parameter-offload pass on by itself when ZeRO offloads the parameters
+    own_schedule = section.get("passes") or (zero.get("offload_param") or {}).get("device", "none") != "none" or any(
+        section.get(key) for key in ("offload_parameters", "offload_opt_states", "offload_activation"))
     if section.get("deepcompile") is not True or stage not in (1, 2, 3) or own_schedule:
         engine.compile()
         return
