@@ -131,13 +131,13 @@ def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, not
     wherever DeepCompile is on, since engine.compile() is what starts it."""
     if config.train.compile != "auto":
         return
-    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
-    offloaded = [part for part in ("offload_optimizer", "offload_param")
-                 if isinstance(zero.get(part), dict) and zero[part].get("device", "none") != "none"]
     if deepcompile_on(ds):
         config.train.compile = True
         notes["train.compile"] = "auto: on (DeepCompile starts with engine.compile())"
         return
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    offloaded = [part for part in ("offload_optimizer", "offload_param")
+                 if isinstance(zero.get(part), dict) and zero[part].get("device", "none") != "none"]
     if accelerator != "cuda":
         why_off = f"not on {accelerator}"
     elif config.model.name != "gpt":

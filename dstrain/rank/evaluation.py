@@ -32,7 +32,7 @@ def evaluate(engine, config: RunConfig, eval_sampler, device) -> float:
     batches = per_rank // micro
     engine.eval()
     total = torch.zeros((), device=device)
-    with torch.no_grad(), _whole_model_under_deepcompile(engine) as forward:
+    with torch.no_grad(), _evaluation_forward(engine) as forward:
         for i in range(batches):
             heartbeat.beat("eval")
             batch = eval_sampler.batch(rank * per_rank + i * micro, micro)
@@ -42,21 +42,21 @@ def evaluate(engine, config: RunConfig, eval_sampler, device) -> float:
     return total.item() / (batches * world)
 
 
-def _whole_model_under_deepcompile(engine):
-    """DeepCompile compiles ZeRO-3's gathers into the training graph and removes ZeRO-3's module hooks.
+@contextlib.contextmanager
+def _evaluation_forward(engine):
+    """The callable evaluation runs the model through: the engine, except under DeepCompile.
+
+    DeepCompile compiles ZeRO-3's gathers into the training graph and removes ZeRO-3's module hooks.
     A no_grad forward through it compiled a second graph, after which the next backward aborted in
     DeepCompile's reduce buckets (DeepSpeed 0.19.8, one H100; docs/benchmarks.md, finding 32).
     Evaluation then runs the model's own forward, uncompiled, with every parameter gathered while it
     lasts: on one GPU, where dstrain turns DeepCompile on, one more 16-bit copy of the model."""
     if not engine.is_deepcompile_active():
-        return contextlib.nullcontext(engine)
+        yield engine
+        return
     import deepspeed
-
-    @contextlib.contextmanager
-    def gathered():
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            yield engine.module.forward  # the module's forward, not its compiled call
-    return gathered()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        yield engine.module.forward  # the module's forward, not its compiled call
 
 
 def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
