@@ -25,3 +25,8 @@ else
 fi
 for f in $LOGS; do echo "== $f"; grep -v "^    |" $OUT/$f.log | tail -n 30; done
 tar -czf $OUT/rowlogs.tgz -C $W $(cd $W && ls *.log) 2>/dev/null
+# Same machine, the call after PART=2 (results in part3/; PART=1 ran out of time before stage1's hand-loop
+# and dstrain rows): second runs of dstrain stage3 and stage2 (warm bytecode and compile caches), then stage1:
+#   S="python3 benchmarks/suite.py --work /tmp/wshape --gpus 1 $SHAPE --steps 40"
+#   $S --out $OUT/p3 --runners dstrain --presets stage3,stage2 --row-timeout 100 > $OUT/p3.log 2>&1
+#   $S --out $OUT/p3 --runners dstrain,deepspeed --presets stage1 --row-timeout 100 >> $OUT/p3.log 2>&1

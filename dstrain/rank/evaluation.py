@@ -69,6 +69,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     from dstrain.hangs import collective_timeout_s
     from dstrain.models import build_model
     from dstrain.rank.runtime import init_rank, quiet_logging, seed_everything
+    from dstrain.rank.zero3_flatten import partitions_flattened_on_device
 
     quiet_logging(launch["verbose"])
     rank, world, device = init_rank(collective_timeout_s(launch.get("hang_timeout_s", 0)))
@@ -78,8 +79,9 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     model = build_model(config, ds_config, device)
     # The run's own DeepSpeed config, optimizer included: ZeRO keeps the fp32 weights in the
     # optimizer's partitions, and loading them is what makes the evaluated weights the trained ones.
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
-                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    with partitions_flattened_on_device():
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
     checkpoint = launch["resume"]
     path, _ = engine.load_checkpoint(checkpoint["directory"], tag=checkpoint["tag"], load_optimizer_states=False,
                                      load_lr_scheduler_states=False)

@@ -197,12 +197,14 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     from dstrain.models import build_model
     from dstrain.rank.offload import describe, speed_up_offload
     from dstrain.rank.runtime import enable_activation_checkpointing
+    from dstrain.rank.zero3_flatten import partitions_flattened_on_device
 
     model = build_model(config, ds_config, device)
     if config.train.activation_checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
-                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    with partitions_flattened_on_device():
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
     offload_changes = describe(speed_up_offload(engine, os.environ))  # CPU offload only (rank/offload.py)
     if offload_changes and rank == 0:
