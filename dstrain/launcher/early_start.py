@@ -72,8 +72,8 @@ class EarlyStart:
 def wanted(ds_config: dict) -> bool:
     """DSTRAIN_EARLY_START: 0/off turns it off (for debugging a start-up: everything then runs in order),
     1/on turns it on. Unset: on, except for ZeRO-3 jobs. Their 1.3B rows on one H100 trained a median 6.7%
-    slower with it (docs/benchmarks.md, finding 27; the rank's own early imports are not the cause, the
-    cause is not found), and there it saved 1-2 s of start-up."""
+    slower with it (docs/benchmarks.md, finding 27; -4.9% in four more pairs, finding 33; the rank's own
+    early imports are not the cause, the cause is not found), and there it saved 2-3 s of start-up."""
     setting = switch(os.environ, "DSTRAIN_EARLY_START")
     if setting is not None:
         return setting
