@@ -5,7 +5,7 @@ directory's resolved config, timed apart and under cProfile, in one process (ran
     python3 benchmarks/engine_build_profile.py /tmp/r [--top 40]
 
 The worker does the same between "ranks up" and "ready in" (dstrain/rank/worker.py, _build_engine);
-this prints each part's time, then cProfile's functions by total and by own time.
+this prints each part's time (the engine as the worker builds it), then cProfile's functions by total and by own time.
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault(key, value)
 
     started = time.perf_counter()
-    import deepspeed
     import torch
 
     from dstrain import rundir
     from dstrain.models import build_model
-    from dstrain.rank.runtime import init_rank, quiet_logging, seed_everything
+    from dstrain.rank.runtime import init_rank, initialize_engine, quiet_logging, seed_everything
     imported = time.perf_counter()
     config, ds_config, launch = rundir.read(args.run_dir)
     quiet_logging(False)
@@ -53,12 +52,11 @@ def main(argv: list[str]) -> int:
     t0 = synced()
     model = build_model(config, ds_config, device)
     t1 = synced()
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
-                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine = initialize_engine(model, ds_config)  # as the worker builds it
     t2 = synced()
     profile.disable()
     print(f"imports {imported - started:.2f} s, process group {joined - imported:.2f} s, "
-          f"model build {t1 - t0:.2f} s, deepspeed.initialize {t2 - t1:.2f} s "
+          f"model build {t1 - t0:.2f} s, engine {t2 - t1:.2f} s "
           f"(ZeRO stage {engine.zero_optimization_stage()}, {sum(1 for _ in model.parameters())} parameters)",
           flush=True)
     for order in ("cumulative", "tottime"):

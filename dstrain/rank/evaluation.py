@@ -62,14 +62,12 @@ def _evaluation_forward(engine):
 def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     """One evaluation rank (called by dstrain.rank.worker for mode "eval"): build the model as the run
     did, load the checkpoint's weights (not the optimizer), evaluate, rank 0 reports."""
-    import deepspeed
     import torch.distributed as dist
 
     from dstrain.data import build_samplers
     from dstrain.hangs import collective_timeout_s
     from dstrain.models import build_model
-    from dstrain.rank.runtime import init_rank, quiet_logging, seed_everything
-    from dstrain.rank.zero3_flatten import partitions_flattened_on_device
+    from dstrain.rank.runtime import init_rank, initialize_engine, quiet_logging, seed_everything
 
     quiet_logging(launch["verbose"])
     rank, world, device = init_rank(collective_timeout_s(launch.get("hang_timeout_s", 0)))
@@ -79,9 +77,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     model = build_model(config, ds_config, device)
     # The run's own DeepSpeed config, optimizer included: ZeRO keeps the fp32 weights in the
     # optimizer's partitions, and loading them is what makes the evaluated weights the trained ones.
-    with partitions_flattened_on_device():
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
-                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine = initialize_engine(model, ds_config)
     checkpoint = launch["resume"]
     path, _ = engine.load_checkpoint(checkpoint["directory"], tag=checkpoint["tag"], load_optimizer_states=False,
                                      load_lr_scheduler_states=False)

@@ -69,6 +69,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def initialize_engine(model, ds_config: dict):
+    """deepspeed.initialize over the model's trainable parameters, as the worker and `dstrain eval` build
+    their engines: ZeRO-3's parameter partitions flattened on the device (rank/zero3_flatten.py)."""
+    import deepspeed
+
+    from dstrain.rank.zero3_flatten import partitions_flattened_on_device
+    with partitions_flattened_on_device():
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
+    return engine
+
+
 def enable_activation_checkpointing(model, ds_config: dict, rank: int) -> None:
     import deepspeed
     options = ds_config.get("activation_checkpointing") or {}

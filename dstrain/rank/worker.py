@@ -191,20 +191,15 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
 
 def _build_engine(config, ds_config: dict, device, rank: int):
     """(DeepSpeed engine, the model it wraps), with activation checkpointing as configured."""
-    import deepspeed
-
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
     from dstrain.rank.offload import describe, speed_up_offload
-    from dstrain.rank.runtime import enable_activation_checkpointing
-    from dstrain.rank.zero3_flatten import partitions_flattened_on_device
+    from dstrain.rank.runtime import enable_activation_checkpointing, initialize_engine
 
     model = build_model(config, ds_config, device)
     if config.train.activation_checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
-    with partitions_flattened_on_device():
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
-                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine = initialize_engine(model, ds_config)
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
     offload_changes = describe(speed_up_offload(engine, os.environ))  # CPU offload only (rank/offload.py)
     if offload_changes and rank == 0:
