@@ -1,5 +1,6 @@
 """dstrain/rank/offload_syncs.py and offload_step.py: the ZeRO-1/2 CPU-offload optimizer without its
-per-parameter waits, and with its step done in chunks, trains exactly as DeepSpeed's own (real engines,
+per-parameter waits, with its step done in chunks, and with bf16 gradients sent to the host (bf16
+weights), trains exactly as DeepSpeed's own (real engines,
 DeepSpeedCPUAdam, one CPU rank, in a subprocess so its process group stays out of the test process).
 Integration lane: DeepSpeed start-up and the CPU Adam op."""
 
@@ -13,7 +14,7 @@ from one_rank import TINY_MLP, run_one_rank
 pytestmark = pytest.mark.integration
 
 SCRIPT = TINY_MLP + """
-    from dstrain.rank.offload_step import chunk_offload_step
+    from dstrain.rank.offload_step import bf16_offload_grads, chunk_offload_step
     from dstrain.rank.offload_syncs import remove_offload_syncs
 
     device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
@@ -32,6 +33,9 @@ SCRIPT = TINY_MLP + """
             applied["syncs"] = remove_offload_syncs(engine)
         if "chunks" in patches:  # chunks of 1,024: the 6,337 weights in seven, the last one short
             applied["chunks"] = chunk_offload_step(engine, chunk_elements=1024)
+        if "bf16" in patches:  # chunks of 4,096 in tiles of 1,024: two chunks, the last chunk and tile short
+            applied["chunks"] = chunk_offload_step(engine, chunk_elements=4096)
+            applied["bf16"] = bf16_offload_grads(engine, tile=1024)
         tracker = engine.optimizer.update_offload_overflow_tracker
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)
@@ -47,13 +51,14 @@ SCRIPT = TINY_MLP + """
     for stage, precision, accum, clip, overflow_at in cases:
         key = f"{stage}-{precision}-{accum}-clip{clip}" + ("-overflow" if overflow_at is not None else "")
         out[key] = {name: train(stage, precision, accum, clip, patches, overflow_at)
-                    for name, patches in (("deepspeed", ()), ("syncs", ("syncs",)), ("dstrain", ("syncs", "chunks")))}
+                    for name, patches in (("deepspeed", ()), ("syncs", ("syncs",)), ("dstrain", ("syncs", "chunks")),
+                                          ("bf16", ("syncs", "bf16")))}
     result(out)
 """
 
 
 ALL_CASES = ((2, "fp32", 1, 0.05, None), (1, "fp32", 2, 0.05, None), (2, "bf16", 1, 0.05, None),
-             (2, "fp32", 1, 100.0, None), (2, "bf16", 1, 0.05, 1))
+             (2, "fp32", 1, 100.0, None), (2, "bf16", 1, 0.05, 1), (1, "bf16", 2, 0.05, None), (2, "bf16", 1, 100.0, None))
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +87,18 @@ def test_offload_step_in_chunks_is_bit_identical_to_deepspeeds_step(runs):
         assert by_patch["syncs"]["norms"] == by_patch["dstrain"]["norms"], key
 
 
+def test_bf16_gradients_on_the_host_give_deepspeeds_weights_bit_for_bit(runs):
+    """bf16 weights: the gradients reach the host in bf16 and the Adam op widens them (times the clip
+    factor, with and without clipping, with accumulation, past a skipped overflow step): exactly the
+    weights of DeepSpeed's step on fp32 gradients. fp32 weights keep DeepSpeed's copies."""
+    for key, by_patch in runs.items():
+        ours = by_patch["bf16"]
+        assert ours["applied"] == {"syncs": True, "chunks": True, "bf16": "-bf16-" in key}, key
+        assert ours["weights"] == by_patch["syncs"]["weights"], key
+        assert ours["norms"] == by_patch["syncs"]["norms"], key
+        assert ours["skipped"] == by_patch["syncs"]["skipped"], key
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the chunked step rounds to bf16 there")
 def test_offload_step_on_a_gpu_is_bit_identical_to_deepspeeds_step():
     """On a GPU the chunked step sends fp32 chunks and rounds them to bf16 on the device (pinned weights)."""
@@ -91,4 +108,7 @@ def test_offload_step_on_a_gpu_is_bit_identical_to_deepspeeds_step():
         assert by_patch["dstrain"]["applied"] == {"syncs": True, "chunks": True}, key
         assert by_patch["dstrain"]["pinned"], key  # so the fp32 chunks go to the GPU and are rounded there
         assert by_patch["syncs"]["weights"] == by_patch["dstrain"]["weights"], key
+        # and with the gradients sent in bf16 into the pinned weight buffer, the rounding on the GPU
+        assert by_patch["bf16"]["applied"] == {"syncs": True, "chunks": True, "bf16": True}, key
+        assert by_patch["syncs"]["weights"] == by_patch["bf16"]["weights"], key
         assert by_patch["dstrain"]["weights"] == pytest.approx(by_patch["deepspeed"]["weights"], rel=1e-6, abs=1e-7), key

@@ -124,12 +124,14 @@ def test_save_checkpoints_false_trains_and_evaluates_but_writes_no_checkpoint(tm
 
 @pytest.mark.parametrize("preset", ["stage2_offload", "stage3_offload"])
 def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(tmp_path, preset):
-    """dstrain/rank/offload_step.py (ZeRO-1/2), offload_step_zero3.py, offload_grads_zero3.py and
-    offload_overlap_zero3.py against DeepSpeed's own step and gradient copies (DSTRAIN_OFFLOAD_CHUNKS=off,
+    """dstrain/rank/offload_step.py (ZeRO-1/2, with bf16 gradients on the host), offload_step_zero3.py,
+    offload_grads_zero3.py and offload_overlap_zero3.py against DeepSpeed's own step and gradient copies (DSTRAIN_OFFLOAD_CHUNKS=off,
     DSTRAIN_OFFLOAD_GRADS=off), two ranks each updating its partition in 4,096-element chunks (ZeRO-3:
     beside the next forward, and saving a checkpoint after the last step): the same losses and gradient
     norms, bit for bit."""
     sets = ("train.max_steps=5", "train.log_every=1", "train.save_every=5", "train.lr=3e-3")
+    if preset == "stage2_offload":  # bf16 weights, so the gradients go to the host in bf16
+        sets += ("train.precision=bf16",)
     runs = {}
     said = {}
     for name, chunks, grads in (("chunked", "4096", "on"), ("deepspeed", "off", "off")):
@@ -145,6 +147,7 @@ def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(t
     # rank 0 says what it changed, once; the switches take the step and the ZeRO-3 copies back to DeepSpeed
     assert len(said["chunked"]) == 1 and "optimizer step in chunks" in said["chunked"][0]
     assert ("gradients sent to the host once" in said["chunked"][0]) is (preset == "stage3_offload")
+    assert ("gradients sent to the host in bf16" in said["chunked"][0]) is (preset == "stage2_offload")
     assert ("the step beside the next forward" in said["chunked"][0]) is (preset == "stage3_offload")
     if preset == "stage2_offload":  # the per-parameter waits have no switch
         assert said["deepspeed"] and "chunks" not in said["deepspeed"][0]

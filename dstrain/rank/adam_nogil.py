@@ -26,9 +26,13 @@ def load_adam_without_gil():
         def absolute_name(self):
             return f"dstrain.ops.{self.NAME}_op"
 
-        def sources(self):
-            kernels = [path for path in super().sources() if not path.endswith("/cpu_adam.cpp")]
+        def sources(self):  # DeepSpeed's kernel file is included by the binding, not compiled beside it
+            kernels = [path for path in super().sources()
+                       if not path.endswith(("/cpu_adam.cpp", "/cpu_adam_impl.cpp"))]
             return [str(BINDING)] + kernels
+
+        def include_paths(self):
+            return list(super().include_paths()) + ["csrc/adam"]
 
     return AdamWithoutGilBuilder().load(verbose=False)
 

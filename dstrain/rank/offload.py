@@ -1,14 +1,14 @@
 """dstrain's changes to DeepSpeed's CPU-offload optimizers, applied to a built engine: ZeRO-1/2 without
 per-parameter GPU waits (offload_syncs.py), ZeRO-3's gradients copied to the host once
 (offload_grads_zero3.py), the optimizer step in chunks with the bf16 rounding on the GPU
-(offload_step.py for ZeRO-1/2, offload_step_zero3.py for ZeRO-3), and ZeRO-3's step run beside the next
-forward (offload_overlap_zero3.py). Each leaves an engine it does not cover as it is."""
+(offload_step.py for ZeRO-1/2, offload_step_zero3.py for ZeRO-3), ZeRO-1/2's gradients sent to the host
+in bf16 (offload_step.py), and ZeRO-3's step run beside the next forward (offload_overlap_zero3.py). Each leaves an engine it does not cover as it is."""
 
 from __future__ import annotations
 
 from dstrain.rank.offload_grads_zero3 import direct_zero3_offload_grads
 from dstrain.rank.offload_overlap_zero3 import overlap_zero3_offload_step
-from dstrain.rank.offload_step import DEFAULT_CHUNK_ELEMENTS, chunk_offload_step
+from dstrain.rank.offload_step import DEFAULT_CHUNK_ELEMENTS, bf16_offload_grads, chunk_offload_step
 from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
 from dstrain.rank.offload_syncs import remove_offload_syncs
 from dstrain.switches import number_or_switch, switched_off
@@ -16,13 +16,16 @@ from dstrain.switches import number_or_switch, switched_off
 
 def speed_up_offload(engine, env) -> dict[str, bool]:
     """Apply what covers `engine`; which changes applied. DSTRAIN_OFFLOAD_CHUNKS=off keeps DeepSpeed's
-    step, DSTRAIN_OFFLOAD_GRADS=off its ZeRO-3 gradient copies, DSTRAIN_OFFLOAD_OVERLAP=off runs the ZeRO-3
-    step before the next forward instead of beside it (for measuring each change)."""
+    step, DSTRAIN_OFFLOAD_GRADS=off its gradient copies (ZeRO-3's, and ZeRO-1/2's widening to fp32 on the
+    GPU), DSTRAIN_OFFLOAD_OVERLAP=off runs the ZeRO-3 step before the next forward instead of beside it
+    (for measuring each change)."""
     chunk = number_or_switch(env, "DSTRAIN_OFFLOAD_CHUNKS", DEFAULT_CHUNK_ELEMENTS)  # elements a chunk
     threads = number_or_switch(env, "DSTRAIN_OFFLOAD_OVERLAP", -1)  # the worker's CPU threads; -1: its default
+    grads = not switched_off(env, "DSTRAIN_OFFLOAD_GRADS")
     applied = {"syncs": remove_offload_syncs(engine),
-               "grads": not switched_off(env, "DSTRAIN_OFFLOAD_GRADS") and direct_zero3_offload_grads(engine),
+               "grads": grads and direct_zero3_offload_grads(engine),
                "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
+    applied["bf16_grads"] = grads and applied["chunks"] and bf16_offload_grads(engine)  # needs the chunked step
     applied["overlap"] = threads != 0 and overlap_zero3_offload_step(engine, max(threads, 0))
     return applied
 
@@ -34,6 +37,8 @@ def describe(applied: dict[str, bool]) -> str | None:
         parts.append("no per-parameter GPU waits in the backward")
     if applied.get("grads"):
         parts.append("gradients sent to the host once, in fp32 (DSTRAIN_OFFLOAD_GRADS=off: DeepSpeed's copies)")
+    if applied.get("bf16_grads"):
+        parts.append("gradients sent to the host in bf16 (DSTRAIN_OFFLOAD_GRADS=off: widened to fp32 on the GPU)")
     if applied.get("chunks"):
         parts.append("optimizer step in chunks (DSTRAIN_OFFLOAD_CHUNKS=off: DeepSpeed's step)")
     if applied.get("overlap"):
