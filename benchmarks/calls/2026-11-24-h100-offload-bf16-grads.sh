@@ -25,3 +25,12 @@ $S --out $OUT/phases --runners deepspeed --presets stage2_offload --steps 20 --n
 tar -czf $OUT/rowlogs.tgz -C $W $(cd $W && ls *.log) 2>/dev/null
 for f in ops gputest torch rows phases; do echo "== $f"; grep -E "^(torch|dstrain|deepspeed) +(stage|none)|phases|ops ready|FAILED|passed|failed|Error" $OUT/$f.log | grep -v "  -  "; done
 grep -h "CPU offload, dstrain" $W/dstrain-*.log | sort | uniq -c
+
+# Follow-up on the same warm machine (results in followup/): the hand loop phase by phase with bf16
+# gradients (on) and with DSTRAIN_OFFLOAD_GRADS=off, alternating:
+#   W=/tmp/wbf16; S="python3 benchmarks/suite.py --work $W --gpus 1 $SHAPE"
+#   $S --out $OUT/phases2 --runners deepspeed --presets stage2_offload --steps 20 --no-base --row-timeout 100 \
+#     --variant "off@deepspeed=+dstrain_offload;+phases;+env:DSTRAIN_OFFLOAD_GRADS=off" \
+#     --variant "on@deepspeed=+dstrain_offload;+phases" \
+#     --variant "off2@deepspeed=+dstrain_offload;+phases;+env:DSTRAIN_OFFLOAD_GRADS=off" \
+#     --variant "on2@deepspeed=+dstrain_offload;+phases" > $OUT/phases2.log 2>&1
