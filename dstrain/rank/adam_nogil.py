@@ -4,9 +4,11 @@
 DeepSpeed 0.19's cpu_adam binding holds the GIL for the whole update (a few ms per 8M-element chunk),
 so a step on a worker thread stopped the training thread's Python for as long: measured on one H100,
 the overlapped 1.3B step ran about 100 ms slower than on the main thread and the run lost 5-20%.
-This op compiles DeepSpeed's own kernel source (csrc/adam/cpu_adam_impl.cpp, unchanged) with a
-binding of ours (cpu_adam_nogil.cpp, beside this file) that releases the GIL: the same arithmetic, bit for
-bit. It is JIT-built like DeepSpeed's ops, once per machine (about a minute), into the same cache.
+This op compiles DeepSpeed's own kernel source (csrc/adam/cpu_adam_impl.cpp, unchanged, included by
+cpu_adam_nogil.cpp beside this file) with a binding of ours that releases the GIL: the same arithmetic,
+bit for bit. The binding adds one update, from bf16 gradients (offload_step.py's bf16_offload_grads),
+which widens them tile by tile and runs DeepSpeed's Step_8 on each. It is JIT-built like DeepSpeed's
+ops, once per machine (about a minute), into the same cache.
 """
 
 from __future__ import annotations

@@ -490,7 +490,8 @@ def _model_states(placement: Placement, P: int, n: int, w: int) -> dict[str, dic
     states[opt_place]["grads_fp32"] = FP32_GRAD_BYTES_PER_PARAM * grads_fp32_numel
     states[opt_place]["optimizer"] = ADAM_FP32_BYTES_PER_PARAM * opt_numel
     if opt_dev == "cpu" and stage < 3:
-        states["cpu"]["params_staging"] = w * opt_numel  # pinned 16-bit copy for the H2D update
+        # pinned 16-bit buffer: DeepSpeed's copy for the H2D update; dstrain receives the bf16 gradients in it
+        states["cpu"]["params_staging"] = w * opt_numel
     return states
 
 
