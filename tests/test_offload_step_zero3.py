@@ -1,5 +1,6 @@
 """dstrain/rank/offload_step_zero3.py and offload_grads_zero3.py: ZeRO-3 CPU offload with the step done
-in chunks and each gradient copied to the host once trains bit for bit as DeepSpeed's own step and copies
+in chunks and each gradient copied to the host once (in bf16 where the weights and the gradient
+accumulation are bf16) trains bit for bit as DeepSpeed's own step and copies
 (real engines, DeepSpeedCPUAdam, one rank in a subprocess so its process group stays out of the test
 process). Integration lane: DeepSpeed start-up and the CPU Adam op."""
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 SCRIPT = TINY_MLP + """
     import time
-    from dstrain.rank.offload_grads_zero3 import direct_zero3_offload_grads
+    from dstrain.rank.offload_grads_zero3 import bf16_zero3_offload_grads, direct_zero3_offload_grads
     from dstrain.rank.offload_overlap_zero3 import overlap_zero3_offload_step
     from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
 
@@ -29,6 +30,10 @@ SCRIPT = TINY_MLP + """
         def adam_update(self, *args):
             time.sleep(0.003)
             return self.op.adam_update(*args)
+
+        def adam_update_bf16_grads(self, *args):
+            time.sleep(0.003)
+            return self.op.adam_update_bf16_grads(*args)
 
         def __getattr__(self, name):
             return getattr(self.op, name)
@@ -53,7 +58,8 @@ SCRIPT = TINY_MLP + """
         # chunks of 1,024: each sub-group in several, the last one short
         applied = None
         if variant != "deepspeed":
-            applied = [chunk_zero3_offload_step(engine, 1024), direct_zero3_offload_grads(engine)]
+            applied = [chunk_zero3_offload_step(engine, 1024), direct_zero3_offload_grads(engine),
+                       bf16_zero3_offload_grads(engine)]
         if variant == "overlap":
             applied.append(overlap_zero3_offload_step(engine))
             engine.optimizer._dstrain_overlap.adam_op = SlowAdam(engine.optimizer._dstrain_overlap.adam_op)
@@ -97,7 +103,9 @@ def _script(cases, variant: str = "dstrain", persist: int = 0) -> str:
 def _assert_bit_identical(out: dict, on_gpu: bool, variant: str = "dstrain") -> None:
     for key, by_name in out.items():
         ours, theirs = by_name[variant], by_name["deepspeed"]
-        assert ours["applied"] == [True] * (3 if variant == "overlap" else 2) and theirs["applied"] is None, key
+        in_bf16 = key.startswith("bf16") and not key.endswith("accum_fp32")  # bf16 weights and accumulation
+        assert ours["applied"] == [True, True, in_bf16] + ([True] if variant == "overlap" else []), key
+        assert theirs["applied"] is None, key
         assert ours["sub_groups"] == 2, key
         assert ours["pinned"] is on_gpu, key  # pinned masters: their chunks are rounded on the GPU
         assert len(ours["norms"]) >= 4 and ours["norms"] == theirs["norms"], key
@@ -106,7 +114,8 @@ def _assert_bit_identical(out: dict, on_gpu: bool, variant: str = "dstrain") -> 
         assert ours["bit16"] == theirs["bit16"], key
         assert ours["skipped"] == theirs["skipped"] == (1 if key.endswith("overflow") else 0), key
         assert theirs["host_buffer_written"] is True, key
-        assert ours["host_buffer_written"] is key.startswith(("bf16-2", "fp32-2")), key  # accumulating
+        # accumulating (DeepSpeed's copies), or the bf16 copy, which goes there
+        assert ours["host_buffer_written"] is (key.startswith(("bf16-2", "fp32-2")) or in_bf16), key
         assert ours["masters"] != pytest.approx([0.0] * len(ours["masters"])), key
 
 

@@ -2,11 +2,11 @@
 per-parameter GPU waits (offload_syncs.py), ZeRO-3's gradients copied to the host once
 (offload_grads_zero3.py), the optimizer step in chunks with the bf16 rounding on the GPU
 (offload_step.py for ZeRO-1/2, offload_step_zero3.py for ZeRO-3), ZeRO-1/2's gradients sent to the host
-in bf16 (offload_step.py), and ZeRO-3's step run beside the next forward (offload_overlap_zero3.py). Each leaves an engine it does not cover as it is."""
+in bf16 (offload_step.py; ZeRO-3's direct copy too, offload_grads_zero3.py), and ZeRO-3's step run beside the next forward (offload_overlap_zero3.py). Each leaves an engine it does not cover as it is."""
 
 from __future__ import annotations
 
-from dstrain.rank.offload_grads_zero3 import direct_zero3_offload_grads
+from dstrain.rank.offload_grads_zero3 import bf16_zero3_offload_grads, direct_zero3_offload_grads
 from dstrain.rank.offload_overlap_zero3 import overlap_zero3_offload_step
 from dstrain.rank.offload_step import DEFAULT_CHUNK_ELEMENTS, bf16_offload_grads, chunk_offload_step
 from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
@@ -25,7 +25,8 @@ def speed_up_offload(engine, env) -> dict[str, bool]:
     applied = {"syncs": remove_offload_syncs(engine),
                "grads": grads and direct_zero3_offload_grads(engine),
                "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
-    applied["bf16_grads"] = grads and applied["chunks"] and bf16_offload_grads(engine)  # needs the chunked step
+    applied["bf16_grads"] = grads and applied["chunks"] and (  # both need the chunked step
+        bf16_offload_grads(engine) or (applied["grads"] and bf16_zero3_offload_grads(engine)))
     applied["overlap"] = threads != 0 and overlap_zero3_offload_step(engine, max(threads, 0))
     return applied
 
@@ -35,9 +36,11 @@ def describe(applied: dict[str, bool]) -> str | None:
     parts = []
     if applied.get("syncs"):
         parts.append("no per-parameter GPU waits in the backward")
-    if applied.get("grads"):
+    if applied.get("grads") and applied.get("bf16_grads"):
+        parts.append("gradients sent to the host once, in bf16 (DSTRAIN_OFFLOAD_GRADS=off: DeepSpeed's copies)")
+    elif applied.get("grads"):
         parts.append("gradients sent to the host once, in fp32 (DSTRAIN_OFFLOAD_GRADS=off: DeepSpeed's copies)")
-    if applied.get("bf16_grads"):
+    elif applied.get("bf16_grads"):
         parts.append("gradients sent to the host in bf16 (DSTRAIN_OFFLOAD_GRADS=off: widened to fp32 on the GPU)")
     if applied.get("chunks"):
         parts.append("optimizer step in chunks (DSTRAIN_OFFLOAD_CHUNKS=off: DeepSpeed's step)")

@@ -150,7 +150,12 @@ def chunk_updater(self, sub_group_id: int, factor: float, adam_op=None):
     bit16 = self.fp16_partitioned_groups_flat[sub_group_id]
     on_host = bit16.device.type == "cpu"
     round_on_device = master.is_pinned() and (not on_host or bit16.is_pinned())
-    update = adam_chunk_update(adam, group, master, factor, adam_op)
+    bf16_grads = getattr(self, "_dstrain_bf16_grads", None)
+    if bf16_grads is not None and self._dstrain_grads_in_bf16:  # this step's gradients came in bf16
+        op, views = bf16_grads
+        update = adam_chunk_update(adam, group, master, factor, op=adam_op or op, bf16_grads=views[sub_group_id])
+    else:
+        update = adam_chunk_update(adam, group, master, factor, adam_op)
     weights, chunk = master.data, self._dstrain_chunk
     if round_on_device:
         device = bit16.device if not on_host else torch.device(get_accelerator().current_device_name())
