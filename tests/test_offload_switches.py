@@ -12,3 +12,11 @@ def test_an_offload_switch_reads_off_on_and_a_number():
     assert [number_or_switch({name: v}, name, -1) for v in ("1", "on", "yes", "fast")] == [-1] * 4  # "1" is on
     assert number_or_switch({name: "8"}, name, -1) == 8
     assert number_or_switch({"DSTRAIN_OFFLOAD_CHUNKS": "4096"}, "DSTRAIN_OFFLOAD_CHUNKS", 1 << 23) == 4096
+
+
+def test_the_gradient_copy_switch_reads_bf16_fp32_and_off():
+    from dstrain.rank.offload import gradient_copies
+
+    assert gradient_copies({}) == gradient_copies({"DSTRAIN_OFFLOAD_GRADS": "on"}) == "bf16"
+    assert gradient_copies({"DSTRAIN_OFFLOAD_GRADS": " FP32 "}) == "fp32"
+    assert gradient_copies({"DSTRAIN_OFFLOAD_GRADS": "off"}) == gradient_copies({"DSTRAIN_OFFLOAD_GRADS": "0"}) == "deepspeed"

@@ -25,3 +25,11 @@ $S --out $OUT/rows --runners dstrain --presets stage3_offload --steps 20 --no-ba
 tar -czf $OUT/rowlogs.tgz -C $W $(cd $W && ls *.log) 2>/dev/null
 for f in ops gputest torch phases rows; do echo "== $f"; grep -E "^(torch|dstrain|deepspeed) +(stage|none)|phases|ops ready|FAILED|passed|failed|Error" $OUT/$f.log | grep -v "  -  "; done
 grep -h "CPU offload, dstrain" $W/dstrain-*.log | sort | uniq -c
+
+# Follow-up on the same warm machine (results in followup/), with DSTRAIN_OFFLOAD_GRADS=fp32 (the direct
+# copy in fp32 for ZeRO-3, DeepSpeed's fp32 copies for ZeRO-1/2) against the bf16 copies, alternating:
+#   F="+env:DSTRAIN_OFFLOAD_GRADS=fp32"
+#   $S --out $OUT/phases2 --runners deepspeed --presets stage3_offload,stage2_offload --steps 20 --no-base \
+#     --row-timeout 100 --variant "fp32@deepspeed=+dstrain_offload;+phases;$F" \
+#     --variant "bf16@deepspeed=+dstrain_offload;+phases" --variant "fp32b@deepspeed=+dstrain_offload;+phases;$F" \
+#     --variant "bf16b@deepspeed=+dstrain_offload;+phases" > $OUT/phases2.log 2>&1

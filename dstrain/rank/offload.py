@@ -17,18 +17,28 @@ from dstrain.switches import number_or_switch, switched_off
 def speed_up_offload(engine, env) -> dict[str, bool]:
     """Apply what covers `engine`; which changes applied. DSTRAIN_OFFLOAD_CHUNKS=off keeps DeepSpeed's
     step, DSTRAIN_OFFLOAD_GRADS=off its gradient copies (ZeRO-3's, and ZeRO-1/2's widening to fp32 on the
-    GPU), DSTRAIN_OFFLOAD_OVERLAP=off runs the ZeRO-3 step before the next forward instead of beside it
+    GPU), DSTRAIN_OFFLOAD_GRADS=fp32 sends them in fp32 (ZeRO-3: dstrain's one copy; ZeRO-1/2: DeepSpeed's
+    copies), DSTRAIN_OFFLOAD_OVERLAP=off runs the ZeRO-3 step before the next forward instead of beside it
     (for measuring each change)."""
     chunk = number_or_switch(env, "DSTRAIN_OFFLOAD_CHUNKS", DEFAULT_CHUNK_ELEMENTS)  # elements a chunk
     threads = number_or_switch(env, "DSTRAIN_OFFLOAD_OVERLAP", -1)  # the worker's CPU threads; -1: its default
-    grads = not switched_off(env, "DSTRAIN_OFFLOAD_GRADS")
+    grads = gradient_copies(env)
     applied = {"syncs": remove_offload_syncs(engine),
-               "grads": grads and direct_zero3_offload_grads(engine),
+               "grads": grads != "deepspeed" and direct_zero3_offload_grads(engine),
                "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
-    applied["bf16_grads"] = grads and applied["chunks"] and (  # both need the chunked step
+    applied["bf16_grads"] = grads == "bf16" and applied["chunks"] and (  # both need the chunked step
         bf16_offload_grads(engine) or (applied["grads"] and bf16_zero3_offload_grads(engine)))
     applied["overlap"] = threads != 0 and overlap_zero3_offload_step(engine, max(threads, 0))
     return applied
+
+
+def gradient_copies(env) -> str:
+    """How gradients reach the host, from DSTRAIN_OFFLOAD_GRADS: "bf16" (the default: dstrain's copies, in
+    bf16 where the weights are bf16), "fp32" (dstrain's ZeRO-3 copy in fp32, DeepSpeed's ZeRO-1/2 copies;
+    for measuring) or "deepspeed" (off: DeepSpeed's copies)."""
+    if switched_off(env, "DSTRAIN_OFFLOAD_GRADS"):
+        return "deepspeed"
+    return "fp32" if (env.get("DSTRAIN_OFFLOAD_GRADS") or "").strip().lower() == "fp32" else "bf16"
 
 
 def describe(applied: dict[str, bool]) -> str | None:
