@@ -1,8 +1,9 @@
 """dstrain's changes to DeepSpeed's CPU-offload optimizers, applied to a built engine: ZeRO-1/2 without
 per-parameter GPU waits (offload_syncs.py), ZeRO-3's gradients copied to the host once
 (offload_grads_zero3.py), the optimizer step in chunks with the bf16 rounding on the GPU
-(offload_step.py for ZeRO-1/2, offload_step_zero3.py for ZeRO-3), ZeRO-1/2's gradients sent to the host
-in bf16 (offload_step.py; ZeRO-3's direct copy too, offload_grads_zero3.py), and ZeRO-3's step run beside the next forward (offload_overlap_zero3.py). Each leaves an engine it does not cover as it is."""
+(offload_step.py for ZeRO-1/2, offload_step_zero3.py for ZeRO-3), the gradients sent to the host in
+bf16 (offload_step.py; ZeRO-3's direct copy, offload_grads_zero3.py), and ZeRO-3's step run beside the
+next forward (offload_overlap_zero3.py). Each leaves an engine it does not cover as it is."""
 
 from __future__ import annotations
 
