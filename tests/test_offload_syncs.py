@@ -58,7 +58,8 @@ SCRIPT = TINY_MLP + """
 
 
 ALL_CASES = ((2, "fp32", 1, 0.05, None), (1, "fp32", 2, 0.05, None), (2, "bf16", 1, 0.05, None),
-             (2, "fp32", 1, 100.0, None), (2, "bf16", 1, 0.05, 1), (1, "bf16", 2, 0.05, None), (2, "bf16", 1, 100.0, None))
+             (2, "fp32", 1, 100.0, None), (2, "bf16", 1, 0.05, 1), (1, "bf16", 2, 0.05, None),
+             (2, "bf16", 1, 100.0, None))
 
 
 @pytest.fixture(scope="module")

@@ -107,7 +107,8 @@ def _copy_grad_in_bf16(self, param):
     import torch
 
     group, source_offset, dest_offset, num_elements = self.grad_position[self.get_param_id(param)]
-    destination = self.param_buffer_of_bit16_for_cpu_offload_groups[group].view(-1).narrow(0, dest_offset, num_elements)
+    buffer = self.param_buffer_of_bit16_for_cpu_offload_groups[group]
+    destination = buffer.view(-1).narrow(0, dest_offset, num_elements)
     grad_accum = self.get_param_gradient_attribute(param)
     assert grad_accum is not None
     source = grad_accum.view(-1).narrow(0, source_offset, num_elements)
