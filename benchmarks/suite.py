@@ -133,9 +133,11 @@ def _torch_step(config, device, world: int, local_rank: int, compile_model: bool
     return step
 
 
-def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = False, dc_full_schedule: bool = False):
+def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = False, dc_full_schedule: bool = False,
+                    dstrain_zero3_step: bool = False):
     """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it (+dstrain_offload: with
-    dstrain's offload changes applied to the engine, to measure them one by one)."""
+    dstrain's offload changes applied to the engine, +dstrain_zero3_step: with dstrain's ZeRO-3 step, to
+    measure them one by one)."""
     import deepspeed
     from dstrain.models import build_model
     model = build_model(config, ds_config, device)
@@ -153,6 +155,9 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
         from dstrain.rank.offload import speed_up_offload
         applied = speed_up_offload(engine, os.environ)
         print("dstrain offload changes: " + ", ".join(f"{k} {v}" for k, v in applied.items()), flush=True)
+    if dstrain_zero3_step:
+        from dstrain.rank.zero3_step import lean_zero3_step
+        print(f"dstrain ZeRO-3 step: {lean_zero3_step(engine)}", flush=True)
     if config.train.compile and dc_full_schedule:  # DeepSpeed's own DeepCompile schedule, profiled passes too
         engine.compile()
     elif config.train.compile:  # as dstrain's worker compiles (DeepCompile's schedule included)
@@ -383,7 +388,7 @@ def worker(spec_path: Path) -> int:
         import deepspeed
         deepspeed.init_distributed()
         step_fn, engine = _deepspeed_step(config, spec["ds_config"], device, spec.get("dstrain_offload", False),
-                                          spec.get("dc_full_schedule", False))
+                                          spec.get("dc_full_schedule", False), spec.get("dstrain_zero3_step", False))
     rank, world = dist.get_rank(), dist.get_world_size()
     train_sampler, eval_sampler = build_samplers(config)
     t = config.train
@@ -657,7 +662,8 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
                 "ds_config": resolved.ds_config, "result_path": str(work / f"{tag}.result.json"),
                 "profile": args.profile and runner in args.profile_runners,
                 "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags,
-                "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags, "dc_full_schedule": "dc_full_schedule" in flags,
+                "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags,
+                "dstrain_zero3_step": "dstrain_zero3_step" in flags, "dc_full_schedule": "dc_full_schedule" in flags,
                 "phases": "phases" in flags, "pyprofile": "pyprofile" in flags, "early_prepare": "early_prepare" in flags}
         spec_path = work / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -722,6 +728,7 @@ def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     +dstrain_loop (deepspeed runner: drive the hand-built engine with dstrain's train loop),
     +gc_freeze (torch/deepspeed runners: gc.freeze() before the loop, as dstrain's worker does),
     +dstrain_offload (deepspeed runner: dstrain's offload changes on the hand-built engine),
+    +dstrain_zero3_step (deepspeed runner: dstrain's ZeRO-3 step, rank/zero3_step.py, on the hand-built engine),
     +phases (deepspeed runner: after the measured loop, 6 steps timed phase by phase, forward, backward
     and optimizer step, with the device synchronised between them),
     +dc_full_schedule (deepspeed runner with deepspeed.compile.deepcompile: DeepSpeed's own DeepCompile

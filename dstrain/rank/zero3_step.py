@@ -1,0 +1,162 @@
+"""ZeRO-3 with the optimizer on the accelerator: DeepSpeed's step with its per-parameter host work
+batched (DeepSpeed 0.19's DeepSpeedZeroOptimizer_Stage3).
+
+Around its update, DeepSpeed's stage-3 step walks the parameters one at a time in Python three times:
+it releases every parameter (each through its own torch.compiler-disabled partition call, with
+logging and checks), it takes the gradients' global norm as a cast, a norm kernel and a stack entry
+per gradient, and after the update it gathers the persistent parameters (the blocks dstrain keeps
+whole, finding 30) with one collective per parameter. Here the release frees each gathered
+parameter's data directly, the norm is one multi-tensor norm per sub-group, and the gather is one
+coalesced all-gather, the one DeepSpeed's own forward fetches use. Everything else (the overflow
+check and loss-scale update, the unscale and clip, the Adam update, the bf16 copy) is DeepSpeed's
+own code, in its order.
+
+The norm (in fp64, as DeepSpeed's) is summed in another order, so it can differ in its last bits, and
+so can the clip factor made from it; without clipping the weights after each step are DeepSpeed's to
+the bit (tests/test_zero3_step.py).
+"""
+
+from __future__ import annotations
+
+import types
+
+
+def lean_zero3_step(engine) -> bool:
+    """Give `engine`'s ZeRO-3 optimizer the batched release, norm and gather; False (nothing changed)
+    for a set-up it does not cover: CPU or NVMe offload, Muon, ZenFlow, torch autocast's grad scaler,
+    model or expert parallelism, hpZ's secondary partitions, quantized weights, DeepCompile (whose
+    graph gathers and releases the parameters itself), or a DeepSpeed without the pieces it calls."""
+    import torch
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    optimizer = getattr(engine, "optimizer", None)
+    is_deepcompile = getattr(engine, "is_deepcompile_enabled", None)
+    if type(optimizer) is not DeepSpeedZeroOptimizer_Stage3 or is_deepcompile is None or is_deepcompile():
+        return False
+    needed = ("_pre_step", "_overflow_check_and_loss_scale_update", "_loss_scale_update_and_overflow_cleanup",
+              "_prepare_sub_group", "unscale_and_clip_grads", "_optimizer_step",
+              "_reassign_or_swap_out_partitioned_parameters", "_release_sub_group", "invalidate_secondary_tensor",
+              "_get_param_partition_group", "_autoep_expert_parallel_group", "averaged_gradients", "fp16_groups",
+              "persistent_parameters", "parameter_offload", "model_parallel_group", "timers",
+              "n_caching_allocator_flushes")
+    if (not all(hasattr(optimizer, name) for name in needed) or not hasattr(torch, "_foreach_norm")
+            or getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "offload_param", False)
+            or getattr(optimizer, "swap_optimizer", False) or getattr(optimizer, "zenflow", False)
+            or getattr(optimizer, "use_muon", False) or optimizer.model_parallel_group is not None
+            or getattr(optimizer, "zero_hpz_partition_size", 1) > 1
+            or getattr(optimizer, "torch_autocast_gradscaler", None) is not None):
+        return False
+    coordinator = optimizer.parameter_offload.get_param_coordinator()
+    if not hasattr(coordinator, "_PartitionedParameterCoordinator__inflight_param_registry"):
+        return False
+    params = list(iter_params(optimizer.parameter_offload.module, recurse=True))  # external ones too, as DeepSpeed's
+    for param in params:
+        partition = getattr(param, "ds_tensor", None)
+        if (partition is None or getattr(param, "ds_secondary_tensor", None) is not None
+                or hasattr(partition, "ds_quant_scale")
+                or getattr(partition, "final_location", None) == OffloadDeviceEnum.nvme):
+            return False
+    if any(group and optimizer._autoep_expert_parallel_group(group) is not None for group in optimizer.fp16_groups):
+        return False
+    optimizer._dstrain_params = params
+    optimizer.step = types.MethodType(_lean_step, optimizer)
+    return True
+
+
+def describe_lean_step() -> str:
+    """The line rank 0 prints when lean_zero3_step applied, with its switch."""
+    return ("ZeRO-3 step: parameters released, gradient norm taken and persistent parameters gathered in "
+            "batches (DSTRAIN_ZERO3_STEP=off: DeepSpeed's step)")
+
+
+def has_lean_step(optimizer) -> bool:
+    """Whether lean_zero3_step gave `optimizer` its step."""
+    return getattr(getattr(optimizer, "step", None), "__func__", None) is _lean_step
+
+
+def _lean_step(self, closure=None):
+    """DeepSpeedZeroOptimizer_Stage3.step without offload, with the release, norm and gather batched."""
+    from deepspeed.runtime.zero import stage3 as zero3
+
+    from dstrain.rank.offload_step_zero3 import warn_on_allocator_flushes
+
+    self._pre_step()
+    release_all_parameters(self)
+    self._overflow_check_and_loss_scale_update(update_scale=False)
+    scaled_global_grad_norm = None
+    if not self.overflow:
+        scaled_global_grad_norm = zero3.combine_grad_norm_groups(grad_norm_groups(self))
+        if zero3.is_invalid_grad_norm(scaled_global_grad_norm):
+            self.overflow = True
+    if self._loss_scale_update_and_overflow_cleanup():  # a skipped step, as DeepSpeed skips it
+        return
+    self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
+    timer_names = {zero3.OPTIMIZER_STEP_TIMER}
+    self.timers(zero3.OPTIMIZER_STEP_TIMER).start()
+    self.zero_grad(set_to_none=True)  # the gradients are in the partition buffers already
+    for sub_group_id in range(len(self.fp16_groups)):
+        self._prepare_sub_group(sub_group_id, timer_names)
+        self.unscale_and_clip_grads(sub_group_id, scaled_global_grad_norm)
+        self._optimizer_step(sub_group_id)
+        self._reassign_or_swap_out_partitioned_parameters(sub_group_id)
+        self._release_sub_group(sub_group_id, timer_names)
+    self.timers(zero3.OPTIMIZER_STEP_TIMER).stop()
+    gather_persistent_parameters(self)
+    self.invalidate_secondary_tensor()  # the rest of DeepSpeed's _post_step without offload or swapping
+    self.timers.log(timer_names)
+    warn_on_allocator_flushes(self)
+
+
+def release_all_parameters(self) -> None:
+    """What DeepSpeed's _partition_all_parameters does: release every gathered parameter and clear what
+    each module holds of it. Every parameter here has its partition already (checked when the step is
+    installed), and for such a parameter DeepSpeed's partition call comes down to free_param; that is
+    called directly. While a fetch is in flight DeepSpeed's own path runs, which waits for it."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
+
+    coordinator = self.parameter_offload.get_param_coordinator()
+    if coordinator._PartitionedParameterCoordinator__inflight_param_registry:
+        self._partition_all_parameters()
+        return
+    released = 0
+    for param in self._dstrain_params:
+        param.ds_active_sub_modules.clear()
+        if param.ds_status == ZeroParamStatus.AVAILABLE:
+            free_param(param)
+            released += param.ds_numel
+        elif param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"{param.ds_summary()} expected to be released")
+    coordinator._PartitionedParameterCoordinator__n_available_params -= released
+
+
+def gather_persistent_parameters(self) -> None:
+    """Gather the persistent parameters' updated partitions, as DeepSpeed's _post_step does, in one
+    coalesced all-gather instead of one collective a parameter. On one rank there is nothing to gather:
+    each parameter's data is its partition again."""
+    if self.persistent_parameters:
+        self.persistent_parameters[0].all_gather_coalesced(self.persistent_parameters).wait()
+
+
+def grad_norm_groups(self) -> list:
+    """Each sub-group's gradient norm as DeepSpeed's get_grad_norm_direct takes it (L2, in its norm dtype,
+    fp64 where the device has it, summed over the partition group, -1 where it is not finite), from one
+    multi-tensor norm per sub-group."""
+    import torch
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    norms = []
+    for sub_group_id, params in enumerate(self.fp16_groups):
+        grads = self.averaged_gradients[sub_group_id]
+        if not grads:
+            norms.append(torch.zeros((), dtype=get_norm_dtype(), device=self.device))
+            continue
+        per_tensor = torch._foreach_norm([g.to(self.device, non_blocking=True) for g in grads], 2.0,
+                                         dtype=get_norm_dtype())
+        squares = torch.sum(torch.pow(torch.stack(per_tensor), 2.0))
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(params[0]))
+        total = squares**0.5
+        norms.append(torch.where(total.isfinite(), total, torch.full_like(total, -1.0)))
+    return norms

@@ -1,0 +1,161 @@
+"""dstrain/rank/zero3_step.py: ZeRO-3's step with the release, the norm and the persistent parameters'
+gather batched trains as DeepSpeed's own step does: the same weights to the bit without clipping, the
+same norms to rounding, the same skipped steps; and the gather after the step is one collective instead
+of one a parameter (real engines, one rank and two CPU ranks in subprocesses so their process groups
+stay out of the test process). Integration lane: DeepSpeed start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from one_rank import ONE_RANK_PREAMBLE, TINY_MLP, run_one_rank
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = TINY_MLP + """
+    import torch.distributed
+    from deepspeed.comm import comm as ds_comm
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from dstrain.rank.zero3_step import has_lean_step, lean_zero3_step
+
+    device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
+    gathers = {"count": 0}
+
+    def counted_all_gather(*args, **kwargs):  # DeepSpeed's backend: every all-gather of its comm goes here
+        gathers["count"] += 1
+        return type(ds_comm.cdb).all_gather_into_tensor(ds_comm.cdb, *args, **kwargs)
+
+    def real_elements(optimizer, flats):
+        # each sub-group's flat partition without the padding of the parameters' last partitions, which
+        # holds whatever its memory held (DeepSpeed's own runs differ from each other there)
+        rank, values = torch.distributed.get_rank(), []
+        for params, flat in zip(optimizer.fp16_groups, flats):
+            offset = 0
+            for p in params:
+                size = p.ds_tensor.ds_numel
+                real = min(size, max(0, p.ds_numel - rank * size))
+                values += flat.detach().float().cpu()[offset:offset + real].tolist()
+                offset += size
+        return values
+
+    def train(precision, accum, clip, overflow_at, variant, offload=False):
+        model = tiny_mlp()  # 6,337 parameters
+        zero = {"stage": 3, "sub_group_size": 4000,  # two sub-groups
+                # the biases and the last layer's weight stay gathered between steps
+                "stage3_param_persistence_threshold": 100}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,
+                  "gradient_clipping": clip, "zero_optimization": zero,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+        if precision == "bf16":
+            config["bf16"] = {"enabled": True, "check_grad_overflow": overflow_at is not None}
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        applied = lean_zero3_step(engine) if variant == "lean" else None
+        lean = has_lean_step(engine.optimizer)
+        if offload:
+            return {"applied": applied}
+        # count the all-gathers of the steps (the persistent parameters' gather after each update)
+        step = engine.optimizer.step
+        def counting_step(*args, **kwargs):
+            ds_comm.cdb.all_gather_into_tensor = counted_all_gather
+            try:
+                return step(*args, **kwargs)
+            finally:
+                del ds_comm.cdb.all_gather_into_tensor
+        engine.optimizer.step = counting_step
+        gathers["count"] = 0
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)
+        optimizer = engine.optimizer
+        persistent = set(map(id, optimizer.persistent_parameters))
+        params = list(model.parameters())
+        return {"applied": applied, "lean": lean, "norms": norms,
+                "masters": real_elements(optimizer, optimizer.fp32_partitioned_groups_flat),
+                "bit16": real_elements(optimizer, optimizer.fp16_partitioned_groups_flat),
+                "skipped": engine.skipped_steps, "persistent": len(persistent), "gathers": gathers["count"],
+                # between steps: the persistent parameters gathered and current, the others released
+                "statuses_right": all(p.ds_status == (ZeroParamStatus.AVAILABLE if id(p) in persistent
+                                                      else ZeroParamStatus.NOT_AVAILABLE) for p in params),
+                "persistent_current": all(torch.equal(p.data.flatten().float().cpu(),
+                                                      p.ds_tensor.flatten()[:p.numel()].float().cpu())
+                                          for p in params if id(p) in persistent)
+                                      if int(os.environ["WORLD_SIZE"]) == 1 else None}
+
+    out = {}
+    for precision, accum, clip, overflow_at in CASES:
+        key = f"{precision}-{accum}-clip{clip}" + ("-overflow" if overflow_at is not None else "")
+        out[key] = {name: train(precision, accum, clip, overflow_at, name) for name in ("deepspeed", "lean")}
+    out["offload"] = train("bf16", 1, 0.0, None, "lean", offload=True)
+    result(out)
+"""
+
+# A clip of 0.05 is below every norm here (each step clips); 0 turns clipping off. Accumulation 2; an
+# overflow at the first micro-step (DeepSpeed skips that update).
+CASES = (("bf16", 1, 0.0, None), ("bf16", 1, 0.05, None), ("fp32", 2, 0.0, None), ("bf16", 1, 0.0, 1))
+
+
+def _assert_trains_as_deepspeed(out: dict, ranks: int) -> None:
+    assert out.pop("offload") == {"applied": False}  # CPU offload keeps its own step (offload_step_zero3.py)
+    for key, by_name in out.items():
+        ours, theirs = by_name["lean"], by_name["deepspeed"]
+        assert ours["applied"] is True and ours["lean"] is True and theirs["lean"] is False, key
+        assert len(ours["norms"]) >= 4, key
+        assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-12), key  # both in fp64
+        assert ours["skipped"] == theirs["skipped"] == (1 if key.endswith("overflow") else 0), key
+        if key.split("-")[2] == "clip0.0":  # no clip factor made from the norm: the weights to the bit
+            assert ours["masters"] == theirs["masters"], key
+            assert ours["bit16"] == theirs["bit16"], key
+        else:
+            assert ours["masters"] == pytest.approx(theirs["masters"], rel=1e-5, abs=1e-7), key
+        assert ours["statuses_right"] and theirs["statuses_right"], key
+        assert ours["persistent"] == theirs["persistent"] == 4, key  # three biases and the last weight
+        updates = 4 - ours["skipped"]
+        if ranks == 1:  # nothing to gather on one rank: each parameter's data is its partition
+            assert ours["gathers"] == theirs["gathers"] == 0, key
+            assert ours["persistent_current"] is True, key
+        else:  # one collective a persistent parameter for DeepSpeed, one for all of them here
+            assert theirs["gathers"] == 4 * updates, key
+            assert ours["gathers"] == updates, key
+
+
+def test_lean_zero3_step_trains_as_deepspeeds_step_on_one_rank():
+    _assert_trains_as_deepspeed(run_one_rank(f"    CASES = {CASES!r}\n" + SCRIPT), ranks=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_lean_zero3_step_trains_as_deepspeeds_step_on_a_gpu():
+    _assert_trains_as_deepspeed(run_one_rank(f"    CASES = {CASES!r}\n" + SCRIPT, accelerator="cuda"), ranks=1)
+
+
+def test_lean_zero3_step_trains_as_deepspeeds_step_on_two_ranks():
+    """Two CPU ranks (gloo), each holding half of every partition: the persistent parameters are
+    gathered after each update, in one all-gather."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    preamble = ONE_RANK_PREAMBLE.replace('RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"',
+                                         'RANK=os.environ["TEST_RANK"], WORLD_SIZE="2", LOCAL_RANK=os.environ["TEST_RANK"]')
+    preamble = preamble.replace('MASTER_PORT=str(port)', 'MASTER_PORT=os.environ["TEST_PORT"]')
+    assert preamble.count("TEST_RANK") == 2 and "TEST_PORT" in preamble
+    code = preamble + textwrap.dedent(f"    CASES = {CASES[:1] + CASES[2:3]!r}\n" + SCRIPT)
+    ranks = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu", "TEST_RANK": str(rank),
+                                   "TEST_PORT": str(port)})
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=600) for rank in ranks]
+    results = []
+    for stdout, stderr in outputs:
+        line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+        assert line, stdout[-2000:] + stderr[-3000:]
+        results.append(json.loads(line[len("RESULT "):]))
+    for out in results:
+        _assert_trains_as_deepspeed(out, ranks=2)
