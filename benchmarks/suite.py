@@ -155,9 +155,13 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
         from dstrain.rank.offload import speed_up_offload
         applied = speed_up_offload(engine, os.environ)
         print("dstrain offload changes: " + ", ".join(f"{k} {v}" for k, v in applied.items()), flush=True)
-    if dstrain_zero3_step:
+    if dstrain_zero3_step:  # as dstrain's worker applies them (DSTRAIN_ZERO3_HOOKS=off keeps the hooks)
+        from dstrain.rank.zero3_hooks import unhook_persistent_modules
         from dstrain.rank.zero3_step import lean_zero3_step
-        print(f"dstrain ZeRO-3 step: {lean_zero3_step(engine)}", flush=True)
+        from dstrain.switches import switched_off
+        lean = lean_zero3_step(engine)
+        unhooked = unhook_persistent_modules(engine) if not switched_off(os.environ, "DSTRAIN_ZERO3_HOOKS") else 0
+        print(f"dstrain ZeRO-3 step: {lean}, modules unhooked: {unhooked}", flush=True)
     if config.train.compile and dc_full_schedule:  # DeepSpeed's own DeepCompile schedule, profiled passes too
         engine.compile()
     elif config.train.compile:  # as dstrain's worker compiles (DeepCompile's schedule included)
@@ -728,7 +732,8 @@ def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     +dstrain_loop (deepspeed runner: drive the hand-built engine with dstrain's train loop),
     +gc_freeze (torch/deepspeed runners: gc.freeze() before the loop, as dstrain's worker does),
     +dstrain_offload (deepspeed runner: dstrain's offload changes on the hand-built engine),
-    +dstrain_zero3_step (deepspeed runner: dstrain's ZeRO-3 step, rank/zero3_step.py, on the hand-built engine),
+    +dstrain_zero3_step (deepspeed runner: dstrain's ZeRO-3 step and unhooked persistent modules,
+    rank/zero3_step.py and zero3_hooks.py, on the hand-built engine),
     +phases (deepspeed runner: after the measured loop, 6 steps timed phase by phase, forward, backward
     and optimizer step, with the device synchronised between them),
     +dc_full_schedule (deepspeed runner with deepspeed.compile.deepcompile: DeepSpeed's own DeepCompile

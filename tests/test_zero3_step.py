@@ -24,7 +24,8 @@ SCRIPT = TINY_MLP + """
     import torch.distributed
     from deepspeed.comm import comm as ds_comm
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    from dstrain.rank.zero3_step import has_lean_step, lean_zero3_step
+    from dstrain.rank.zero3_hooks import unhook_persistent_modules
+    from dstrain.rank.zero3_step import has_lean_step, lean_zero3_step, release_all_parameters
 
     device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
     gathers = {"count": 0}
@@ -59,10 +60,11 @@ SCRIPT = TINY_MLP + """
         if precision == "bf16":
             config["bf16"] = {"enabled": True, "check_grad_overflow": overflow_at is not None}
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-        applied = lean_zero3_step(engine) if variant == "lean" else None
+        applied = lean_zero3_step(engine) if variant != "deepspeed" else None
         lean = has_lean_step(engine.optimizer)
+        unhooked = unhook_persistent_modules(engine) if variant == "unhooked" else 0  # 0 without the lean step
         if offload:
-            return {"applied": applied}
+            return {"applied": applied, "unhooked": unhooked}
         # count the all-gathers of the steps (the persistent parameters' gather after each update)
         step = engine.optimizer.step
         def counting_step(*args, **kwargs):
@@ -78,7 +80,24 @@ SCRIPT = TINY_MLP + """
         optimizer = engine.optimizer
         persistent = set(map(id, optimizer.persistent_parameters))
         params = list(model.parameters())
-        return {"applied": applied, "lean": lean, "norms": norms,
+        loss = None
+        if variant == "unhooked" and int(os.environ["WORLD_SIZE"]) == 1:
+            probe = torch.randn(4, 32, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
+            loss = float(engine(probe).float().pow(2).mean())
+            # every parameter released, as at the start of a step: the model's guard gathers the unhooked
+            # layer's parameters at the next forward (its data is empty until then)
+            release_all_parameters(engine.optimizer)
+            assert engine.module[4].weight.numel() == 0
+            assert float(engine(probe).float().pow(2).mean()) == loss
+            # a checkpoint loaded into a fresh engine (DeepSpeed partitions the persistent parameters on
+            # load and gathers them again): the unhooked layer computes with the loaded weights
+            engine.save_checkpoint(CHECKPOINTS, tag=key_of(precision, accum, clip, overflow_at))
+            fresh, *_ = deepspeed.initialize(model=tiny_mlp(), config=config)
+            lean_zero3_step(fresh)
+            unhook_persistent_modules(fresh)
+            fresh.load_checkpoint(CHECKPOINTS, tag=key_of(precision, accum, clip, overflow_at))
+            loss = [loss, float(fresh(probe).float().pow(2).mean())]
+        return {"applied": applied, "lean": lean, "norms": norms, "unhooked": unhooked, "reloaded_loss": loss,
                 "masters": real_elements(optimizer, optimizer.fp32_partitioned_groups_flat),
                 "bit16": real_elements(optimizer, optimizer.fp16_partitioned_groups_flat),
                 "skipped": engine.skipped_steps, "persistent": len(persistent), "gathers": gathers["count"],
@@ -90,11 +109,16 @@ SCRIPT = TINY_MLP + """
                                           for p in params if id(p) in persistent)
                                       if int(os.environ["WORLD_SIZE"]) == 1 else None}
 
+    def key_of(precision, accum, clip, overflow_at):
+        return f"{precision}-{accum}-clip{clip}" + ("-overflow" if overflow_at is not None else "")
+
+    import tempfile
+    CHECKPOINTS = tempfile.mkdtemp()
     out = {}
     for precision, accum, clip, overflow_at in CASES:
-        key = f"{precision}-{accum}-clip{clip}" + ("-overflow" if overflow_at is not None else "")
-        out[key] = {name: train(precision, accum, clip, overflow_at, name) for name in ("deepspeed", "lean")}
-    out["offload"] = train("bf16", 1, 0.0, None, "lean", offload=True)
+        out[key_of(precision, accum, clip, overflow_at)] = {
+            name: train(precision, accum, clip, overflow_at, name) for name in ("deepspeed", "lean", "unhooked")}
+    out["offload"] = train("bf16", 1, 0.0, None, "unhooked", offload=True)
     result(out)
 """
 
@@ -104,7 +128,16 @@ CASES = (("bf16", 1, 0.0, None), ("bf16", 1, 0.05, None), ("fp32", 2, 0.0, None)
 
 
 def _assert_trains_as_deepspeed(out: dict, ranks: int) -> None:
-    assert out.pop("offload") == {"applied": False}  # CPU offload keeps its own step (offload_step_zero3.py)
+    # CPU offload keeps its own step (offload_step_zero3.py) and its hooks
+    assert out.pop("offload") == {"applied": False, "unhooked": 0}
+    for key, by_name in out.items():
+        # without the module hooks on the last layer (its weight and bias persistent), the same training
+        unhooked = by_name.pop("unhooked")
+        assert unhooked["unhooked"] == 1 and by_name["lean"]["unhooked"] == 0, key
+        for name in ("norms", "masters", "bit16", "skipped", "gathers", "statuses_right", "persistent_current"):
+            assert unhooked[name] == by_name["lean"][name], (key, name)
+        if ranks == 1:  # a forward after a checkpoint load
+            assert unhooked["reloaded_loss"][0] == unhooked["reloaded_loss"][1], key
     for key, by_name in out.items():
         ours, theirs = by_name["lean"], by_name["deepspeed"]
         assert ours["applied"] is True and ours["lean"] is True and theirs["lean"] is False, key

@@ -195,6 +195,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     from dstrain.models import build_model
     from dstrain.rank.offload import describe, speed_up_offload
     from dstrain.rank.runtime import enable_activation_checkpointing, initialize_engine
+    from dstrain.rank.zero3_hooks import unhook_persistent_modules
     from dstrain.rank.zero3_step import describe_lean_step, lean_zero3_step
     from dstrain.switches import switched_off
 
@@ -206,8 +207,10 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     offload_changes = describe(speed_up_offload(engine, os.environ))  # CPU offload only (rank/offload.py)
     if offload_changes and rank == 0:
         print(offload_changes, flush=True)
-    if not switched_off(os.environ, "DSTRAIN_ZERO3_STEP") and lean_zero3_step(engine) and rank == 0:
-        print(describe_lean_step(), flush=True)  # ZeRO-3 on the accelerator (rank/zero3_step.py)
+    if not switched_off(os.environ, "DSTRAIN_ZERO3_STEP") and lean_zero3_step(engine):  # ZeRO-3, no offload
+        unhooked = 0 if switched_off(os.environ, "DSTRAIN_ZERO3_HOOKS") else unhook_persistent_modules(engine)
+        if rank == 0:
+            print(describe_lean_step(unhooked), flush=True)
     return engine, model
 
 

@@ -65,10 +65,14 @@ def lean_zero3_step(engine) -> bool:
     return True
 
 
-def describe_lean_step() -> str:
-    """The line rank 0 prints when lean_zero3_step applied, with its switch."""
-    return ("ZeRO-3 step: parameters released, gradient norm taken and persistent parameters gathered in "
-            "batches (DSTRAIN_ZERO3_STEP=off: DeepSpeed's step)")
+def describe_lean_step(unhooked: int) -> str:
+    """The line rank 0 prints when lean_zero3_step applied (and zero3_hooks.py took the hooks off
+    `unhooked` modules), with the switches."""
+    line = ("ZeRO-3: the step's release, gradient norm and persistent gather batched "
+            "(DSTRAIN_ZERO3_STEP=off: DeepSpeed's step)")
+    if unhooked:
+        line += f"; no module hooks on {unhooked} modules whose parameters stay gathered (DSTRAIN_ZERO3_HOOKS=off: kept)"
+    return line
 
 
 def has_lean_step(optimizer) -> bool:
