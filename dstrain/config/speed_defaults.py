@@ -26,8 +26,8 @@ ZERO = "deepspeed.zero_optimization"
 
 def render_speed_defaults(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str, world: int,
                           notes: dict[str, str]) -> None:
-    """No device-syncing timer; for the built-in GPT under ZeRO-3, DeepCompile where it was measured
-    faster, otherwise a block fetched as one unit and a small GPT's blocks kept whole."""
+    """No device-syncing timer; for the built-in GPT under ZeRO-3 (unless the user turned DeepCompile on),
+    a block fetched as one unit and a small GPT's blocks kept whole, and DeepCompile written out as off."""
     if "timers" not in ds:
         # DeepSpeed's throughput timer synchronizes the device twice a step; dstrain times steps itself.
         ds["timers"] = {"throughput": {"enabled": False}}
@@ -60,41 +60,27 @@ def _zero3_without_offload(zero: Any) -> bool:
                     for part in ("offload_param", "offload_optimizer")))
 
 
-# DeepCompile's compile at the start of every run (its graphs are not found in torch's compile cache:
-# ~100 s more to the first step on one H100, again on a second run) is repaid by its faster steps after
-# about 2,500 forward-backward passes on the 406M GPT and 4,000 on the 1.3B (docs/benchmarks.md, finding 32).
-DEEPCOMPILE_MIN_PASSES = 5_000
-
-
 def _render_deepcompile(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str, world: int,
                         notes: dict[str, str]) -> None:
-    """DeepSpeed's DeepCompile for the built-in GPT's ZeRO-3 on one GPU, in runs long enough to repay its
-    compile. It compiles the model with the parameter gathers and releases in the graph, so none of
-    ZeRO-3's per-module Python hooks run: on one H100, dstrain's stage3 on the 406M GPT went from
-    55,793 / 54,773 tokens/s (eager, blocks kept whole) to 83,154 / 70,695 in alternating pairs, on the
-    1.3B GPT from 38,202 to 44,007, with less GPU memory (14.85 against 21.44 GiB, 32.74 against
-    36.41) (docs/benchmarks.md, finding 32). Its cost is the first step: about 100 s more. Where: bf16
-    weights on CUDA, no offload, no activation checkpointing, train.compile not false, at least
-    DEEPCOMPILE_MIN_PASSES forward-backward passes, and the user set no deepspeed.compile.deepcompile;
-    several GPUs were not measured."""
+    """DeepSpeed's DeepCompile for the built-in GPT's ZeRO-3 on one GPU: written out as off, with the
+    reason, so that `dstrain config --explain` says so. DeepCompile compiles the gathers and releases into
+    the graph, so none of ZeRO-3's module hooks run; it took dstrain's stage3 from 0.49-0.50 to 0.63-0.74
+    of torch on the 406M GPT and 0.75 to 0.86 on the 1.3B (finding 32), and dstrain turned it on in runs
+    of 5,000+ passes, long enough to repay its compile (~100-140 s before the first step, every run).
+    dstrain's ZeRO-3 step and its blocks without hooks (rank/zero3_step.py, zero3_hooks.py; findings 36
+    and 37) took the eager preset past it: 0.54 / 0.63 of torch against DeepCompile's 0.56 on one host at
+    406M, 0.96-0.97 against 0.86-0.87 at 913M and 1.3B, with no compile. Set it true to have it (bf16
+    weights on CUDA, no offload, no activation checkpointing; several GPUs were not measured)."""
     if not (config.model.name == "gpt" and accelerator == "cuda" and world == 1 and config.train.precision == "bf16"
             and config.train.mixed_precision != "autocast" and config.train.compile is not False
             and not config.train.activation_checkpointing and _zero3_without_offload(ds.get("zero_optimization"))):
         return
     if merged.source_of("deepspeed.compile.deepcompile").rank > PRESET_RANK:
         return  # the user's choice stands
-    zero = ds["zero_optimization"]
-    if "leaf_module" in zero or zero.get("stage3_module_granularity_threshold"):
-        return  # the user chose ZeRO-3's module fetching, which DeepCompile cannot trace
-    passes = config.train.max_steps * config.train.grad_accum_steps
-    long_enough = passes >= DEEPCOMPILE_MIN_PASSES
-    # Written out either way, so that `dstrain config --explain` says which way it went and why.
-    ds["compile"] = {**(ds.get("compile") if isinstance(ds.get("compile"), dict) else {}), "deepcompile": long_enough}
+    ds["compile"] = {**(ds.get("compile") if isinstance(ds.get("compile"), dict) else {}), "deepcompile": False}
     notes["deepspeed.compile.deepcompile"] = (
-        f"dstrain default for the built-in GPT's ZeRO-3 on one GPU, {passes:,} forward-backward passes: "
-        "gathers compiled into the graph, no module hooks" if long_enough else
-        f"dstrain default: off, {passes:,} forward-backward passes would not repay DeepCompile's ~100 s compile "
-        f"(on from {DEEPCOMPILE_MIN_PASSES:,} on one GPU; set true to have it)")
+        "dstrain default: off: eager stage 3 with dstrain's step and whole blocks without hooks ran as fast on "
+        "one GPU, without DeepCompile's ~2-minute compile (set true to have it)")
 
 
 def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, accelerator: str, world: int,
