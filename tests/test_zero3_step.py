@@ -176,7 +176,8 @@ def test_lean_zero3_step_trains_as_deepspeeds_step_on_two_ranks():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     preamble = ONE_RANK_PREAMBLE.replace('RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"',
-                                         'RANK=os.environ["TEST_RANK"], WORLD_SIZE="2", LOCAL_RANK=os.environ["TEST_RANK"]')
+                                         'RANK=os.environ["TEST_RANK"], WORLD_SIZE="2", '
+                                         'LOCAL_RANK=os.environ["TEST_RANK"]')
     preamble = preamble.replace('MASTER_PORT=str(port)', 'MASTER_PORT=os.environ["TEST_PORT"]')
     assert preamble.count("TEST_RANK") == 2 and "TEST_PORT" in preamble
     code = preamble + textwrap.dedent(f"    CASES = {CASES[:1] + CASES[2:3]!r}\n" + SCRIPT)

@@ -95,24 +95,32 @@ def _chunked_step(self, closure=None):
 
 
 def begin_step(self) -> float | None:
-    """What DeepSpeed's step does before the sub-groups: partition the parameters, check for overflow,
-    take the global norm. The factor to unscale and clip the gradients by; None for a skipped step
-    (overflow or a non-finite norm), which DeepSpeed's cleanup has already handled."""
+    """What DeepSpeed's step does before the sub-groups (checked_global_norm, with DeepSpeed's release
+    and norm). The factor to unscale and clip the gradients by; None for a skipped step."""
+    scaled_global_grad_norm = checked_global_norm(self, self._partition_all_parameters, self._get_norm_groups)
+    return None if scaled_global_grad_norm is None else unscale_factor(self, scaled_global_grad_norm)
+
+
+def checked_global_norm(self, release_all, norm_groups):
+    """What DeepSpeed's stage-3 step does before the sub-groups: release every parameter
+    (`release_all()`), check for overflow, take the global norm from `norm_groups()` and record it. The
+    norm, still loss-scaled; None for a skipped step (overflow or a non-finite norm), which DeepSpeed's
+    cleanup has already handled."""
     from deepspeed.runtime.zero import stage3 as zero3
 
     self._pre_step()
-    self._partition_all_parameters()
+    release_all()
     self._overflow_check_and_loss_scale_update(update_scale=False)
     scaled_global_grad_norm = None
     if not self.overflow:
         self._apply_muon_to_accumulated_grads()  # DeepSpeed's order; returns at once (never installed with Muon)
-        scaled_global_grad_norm = zero3.combine_grad_norm_groups(self._get_norm_groups())
+        scaled_global_grad_norm = zero3.combine_grad_norm_groups(norm_groups())
         if zero3.is_invalid_grad_norm(scaled_global_grad_norm):
             self.overflow = True
     if self._loss_scale_update_and_overflow_cleanup():  # a skipped step, as DeepSpeed skips it
         return None
     self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
-    return unscale_factor(self, scaled_global_grad_norm)
+    return scaled_global_grad_norm
 
 
 def warn_on_allocator_flushes(self) -> None:

@@ -35,7 +35,8 @@ def lean_zero3_step(engine) -> bool:
     is_deepcompile = getattr(engine, "is_deepcompile_enabled", None)
     if type(optimizer) is not DeepSpeedZeroOptimizer_Stage3 or is_deepcompile is None or is_deepcompile():
         return False
-    needed = ("_pre_step", "_overflow_check_and_loss_scale_update", "_loss_scale_update_and_overflow_cleanup",
+    needed = ("_pre_step", "_overflow_check_and_loss_scale_update", "_apply_muon_to_accumulated_grads",
+              "_loss_scale_update_and_overflow_cleanup",
               "_prepare_sub_group", "unscale_and_clip_grads", "_optimizer_step",
               "_reassign_or_swap_out_partitioned_parameters", "_release_sub_group", "invalidate_secondary_tensor",
               "_get_param_partition_group", "_autoep_expert_parallel_group", "averaged_gradients", "fp16_groups",
@@ -71,7 +72,8 @@ def describe_lean_step(unhooked: int) -> str:
     line = ("ZeRO-3: the step's release, gradient norm and persistent gather batched "
             "(DSTRAIN_ZERO3_STEP=off: DeepSpeed's step)")
     if unhooked:
-        line += f"; no module hooks on {unhooked} modules whose parameters stay gathered (DSTRAIN_ZERO3_HOOKS=off: kept)"
+        line += (f"; no module hooks on {unhooked} modules whose parameters stay gathered "
+                 "(DSTRAIN_ZERO3_HOOKS=off: kept)")
     return line
 
 
@@ -84,19 +86,12 @@ def _lean_step(self, closure=None):
     """DeepSpeedZeroOptimizer_Stage3.step without offload, with the release, norm and gather batched."""
     from deepspeed.runtime.zero import stage3 as zero3
 
-    from dstrain.rank.offload_step_zero3 import warn_on_allocator_flushes
+    from dstrain.rank.offload_step_zero3 import checked_global_norm, warn_on_allocator_flushes
 
-    self._pre_step()
-    release_all_parameters(self)
-    self._overflow_check_and_loss_scale_update(update_scale=False)
-    scaled_global_grad_norm = None
-    if not self.overflow:
-        scaled_global_grad_norm = zero3.combine_grad_norm_groups(grad_norm_groups(self))
-        if zero3.is_invalid_grad_norm(scaled_global_grad_norm):
-            self.overflow = True
-    if self._loss_scale_update_and_overflow_cleanup():  # a skipped step, as DeepSpeed skips it
+    scaled_global_grad_norm = checked_global_norm(self, lambda: release_all_parameters(self),
+                                                  lambda: grad_norm_groups(self))
+    if scaled_global_grad_norm is None:  # a skipped step, as DeepSpeed skips it
         return
-    self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
     timer_names = {zero3.OPTIMIZER_STEP_TIMER}
     self.timers(zero3.OPTIMIZER_STEP_TIMER).start()
     self.zero_grad(set_to_none=True)  # the gradients are in the partition buffers already
