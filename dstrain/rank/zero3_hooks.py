@@ -9,8 +9,9 @@ between steps, so for a module whose parameters are all persistent the hooks fet
 on the 406M GPT they are 26 of the 31 hooked modules (the blocks, the position embedding, the last
 layer norm), and their hooks were most of the forward's host time (finding 37). Here they are removed
 before the first forward, so the trace never holds those modules. One forward pre-hook on the model
-stands guard instead: any of their parameters not gathered when a forward starts (after a checkpoint is loaded, DeepSpeed partitions the persistent parameters and
-gathers them again later) is gathered there, in one coalesced all-gather.
+stands guard instead: any of their parameters not gathered when a forward starts (after a
+checkpoint is loaded, DeepSpeed partitions the persistent parameters and gathers them again later)
+is gathered there, in one coalesced all-gather.
 
 Only with dstrain's ZeRO-3 step (zero3_step.py: no offload, whose step beside the next forward relies on
 the fetch hooks to wait for its weights) and before any forward; the losses are the same to the bit
