@@ -113,6 +113,8 @@ def compile_engine(engine, ds_config: dict, world: int) -> None:
     # DeepSpeed turns its parameter-offload pass on by itself when ZeRO offloads the parameters
     own_schedule = section.get("passes") or (zero.get("offload_param") or {}).get("device", "none") != "none" or any(
         section.get(key) for key in ("offload_parameters", "offload_opt_states", "offload_activation"))
+    if section.get("deepcompile") is not True and stage == 3 and compile_zero3_leaf_modules(engine):
+        return
     if section.get("deepcompile") is not True or stage not in (1, 2, 3) or own_schedule:
         engine.compile()
         return
@@ -128,3 +130,19 @@ def compile_engine(engine, ds_config: dict, world: int) -> None:
         schedule.append((start + WARMUP, [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch,
                                           selective_gather.selective_gather]))
     engine.compile(schedule=schedule)
+
+
+def compile_zero3_leaf_modules(engine) -> int:
+    """ZeRO-3 without DeepCompile: compile the forward of each ZeRO-3 leaf module (a transformer block,
+    fetched as one unit) instead of the whole model; how many were compiled (0: none, nothing changed).
+    DeepSpeed's hooks that gather, release and reduce a leaf's parameters run in the module's call, around
+    its forward, so they stay eager and outside the graph; compiling the whole model put them inside it,
+    where they break the graph (finding 11: 0.52x of eager). Every block is one graph: the parameters are
+    graph inputs, so a freshly gathered weight is taken as it is."""
+    import torch
+    from deepspeed.utils import z3_leaf_module
+
+    leaves = [m for m in engine.module.modules() if m is not engine.module and z3_leaf_module(m)]
+    for module in leaves:
+        module.forward = torch.compile(module.forward)
+    return len(leaves)
