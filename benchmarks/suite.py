@@ -159,9 +159,13 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
         from dstrain.rank.zero3_hooks import unhook_persistent_modules
         from dstrain.rank.zero3_step import lean_zero3_step
         from dstrain.switches import switched_off
+        from dstrain.rank.zero3_grads import fast_current_stream, lean_zero3_grads
         lean = lean_zero3_step(engine)
         unhooked = unhook_persistent_modules(engine) if not switched_off(os.environ, "DSTRAIN_ZERO3_HOOKS") else 0
-        print(f"dstrain ZeRO-3 step: {lean}, modules unhooked: {unhooked}", flush=True)
+        grads = not switched_off(os.environ, "DSTRAIN_ZERO3_GRADS") and lean_zero3_grads(engine)
+        streams = not switched_off(os.environ, "DSTRAIN_CUDA_STREAM") and fast_current_stream()
+        print(f"dstrain ZeRO-3 step: {lean}, modules unhooked: {unhooked}, lean gradients: {grads}, "
+              f"fast current stream: {streams}", flush=True)
     if config.train.compile and dc_full_schedule:  # DeepSpeed's own DeepCompile schedule, profiled passes too
         engine.compile()
     elif config.train.compile:  # as dstrain's worker compiles (DeepCompile's schedule included)

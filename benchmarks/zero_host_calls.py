@@ -1,7 +1,8 @@
 """How much Python a ZeRO engine runs per training step, phase by phase: cProfile's call counts and times
 for the forward, the backward and the optimizer step of dstrain's GPT on one CPU rank (gloo), with the
 DeepSpeed JSON dstrain renders for a preset. On a host-bound GPU step these calls are what the GPU waits
-for (docs/benchmarks.md, finding 38). Stage 3 gets dstrain's step and unhooked blocks, as the worker does.
+for (docs/benchmarks.md, finding 38). Stage 3 gets dstrain's step, unhooked blocks and lean gradient
+copies, as the worker does (DSTRAIN_ZERO3_GRADS=off: DeepSpeed's copies).
 
     python3 benchmarks/zero_host_calls.py --preset stage2
     python3 benchmarks/zero_host_calls.py --preset stage2 --lean-bucket   # finding 38's prototype
@@ -76,6 +77,8 @@ def main() -> None:
 
     from dstrain.config.resolve import resolve
     from dstrain.models.gpt import GPT
+    from dstrain.switches import switched_off
+    from dstrain.rank.zero3_grads import lean_zero3_grads
     from dstrain.rank.zero3_hooks import unhook_persistent_modules
     from dstrain.rank.zero3_step import lean_zero3_step
 
@@ -90,6 +93,8 @@ def main() -> None:
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     if ds["zero_optimization"]["stage"] == 3 and lean_zero3_step(engine):
         unhook_persistent_modules(engine)
+        if not switched_off(os.environ, "DSTRAIN_ZERO3_GRADS"):
+            lean_zero3_grads(engine)
     elif args.lean_bucket:
         lean_bucket(engine.optimizer)
 

@@ -24,6 +24,7 @@ SCRIPT = TINY_MLP + """
     import torch.distributed
     from deepspeed.comm import comm as ds_comm
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from dstrain.rank.zero3_grads import has_lean_grads, lean_zero3_grads
     from dstrain.rank.zero3_hooks import unhook_persistent_modules
     from dstrain.rank.zero3_step import has_lean_step, lean_zero3_step, release_all_parameters
 
@@ -47,11 +48,13 @@ SCRIPT = TINY_MLP + """
                 offset += size
         return values
 
-    def train(precision, accum, clip, overflow_at, variant, offload=False):
+    def train(precision, accum, clip, overflow_at, bucket, variant, offload=False):
         model = tiny_mlp()  # 6,337 parameters
         zero = {"stage": 3, "sub_group_size": 4000,  # two sub-groups
                 # the biases and the last layer's weight stay gathered between steps
                 "stage3_param_persistence_threshold": 100}
+        if bucket:  # the reduce bucket fills in the backward; a weight larger than it is reduced where it is
+            zero["reduce_bucket_size"] = bucket
         if offload:
             zero["offload_optimizer"] = {"device": "cpu"}
         config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,
@@ -61,7 +64,9 @@ SCRIPT = TINY_MLP + """
             config["bf16"] = {"enabled": True, "check_grad_overflow": overflow_at is not None}
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         applied = lean_zero3_step(engine) if variant != "deepspeed" else None
-        lean = has_lean_step(engine.optimizer)
+        if variant != "deepspeed":
+            lean_zero3_grads(engine)  # nothing without the lean step (offload)
+        lean = has_lean_step(engine.optimizer) and has_lean_grads(engine.optimizer)
         unhooked = unhook_persistent_modules(engine) if variant == "unhooked" else 0  # 0 without the lean step
         if offload:
             return {"applied": applied, "unhooked": unhooked}
@@ -91,11 +96,12 @@ SCRIPT = TINY_MLP + """
             assert float(engine(probe).float().pow(2).mean()) == loss
             # a checkpoint loaded into a fresh engine (DeepSpeed partitions the persistent parameters on
             # load and gathers them again): the unhooked layer computes with the loaded weights
-            engine.save_checkpoint(CHECKPOINTS, tag=key_of(precision, accum, clip, overflow_at))
+            engine.save_checkpoint(CHECKPOINTS, tag=key_of(precision, accum, clip, overflow_at, bucket))
             fresh, *_ = deepspeed.initialize(model=tiny_mlp(), config=config)
             lean_zero3_step(fresh)
             unhook_persistent_modules(fresh)
-            fresh.load_checkpoint(CHECKPOINTS, tag=key_of(precision, accum, clip, overflow_at))
+            lean_zero3_grads(fresh)
+            fresh.load_checkpoint(CHECKPOINTS, tag=key_of(precision, accum, clip, overflow_at, bucket))
             loss = [loss, float(fresh(probe).float().pow(2).mean())]
         return {"applied": applied, "lean": lean, "norms": norms, "unhooked": unhooked, "reloaded_loss": loss,
                 "masters": real_elements(optimizer, optimizer.fp32_partitioned_groups_flat),
@@ -109,22 +115,26 @@ SCRIPT = TINY_MLP + """
                                           for p in params if id(p) in persistent)
                                       if int(os.environ["WORLD_SIZE"]) == 1 else None}
 
-    def key_of(precision, accum, clip, overflow_at):
-        return f"{precision}-{accum}-clip{clip}" + ("-overflow" if overflow_at is not None else "")
+    def key_of(precision, accum, clip, overflow_at, bucket):
+        return (f"{precision}-{accum}-clip{clip}" + (f"-bucket{bucket}" if bucket else "")
+                + ("-overflow" if overflow_at is not None else ""))
 
     import tempfile
     CHECKPOINTS = tempfile.mkdtemp()
     out = {}
-    for precision, accum, clip, overflow_at in CASES:
-        out[key_of(precision, accum, clip, overflow_at)] = {
-            name: train(precision, accum, clip, overflow_at, name) for name in ("deepspeed", "lean", "unhooked")}
-    out["offload"] = train("bf16", 1, 0.0, None, "unhooked", offload=True)
+    for precision, accum, clip, overflow_at, bucket in CASES:
+        out[key_of(precision, accum, clip, overflow_at, bucket)] = {
+            name: train(precision, accum, clip, overflow_at, bucket, name)
+            for name in ("deepspeed", "lean", "unhooked")}
+    out["offload"] = train("bf16", 1, 0.0, None, None, "unhooked", offload=True)
     result(out)
 """
 
-# A clip of 0.05 is below every norm here (each step clips); 0 turns clipping off. Accumulation 2; an
-# overflow at the first micro-step (DeepSpeed skips that update).
-CASES = (("bf16", 1, 0.0, None), ("bf16", 1, 0.05, None), ("fp32", 2, 0.0, None), ("bf16", 1, 0.0, 1))
+# A clip of 0.05 is below every norm here (each step clips); 0 turns clipping off. Accumulation 2 (the
+# gradients added to their slots), with a reduce bucket of 3,000 elements (reduced twice in a backward; the
+# 4,096-element weight reduced outside it); an overflow at the first micro-step (DeepSpeed skips that update).
+CASES = (("bf16", 1, 0.0, None, None), ("bf16", 1, 0.05, None, None), ("fp32", 2, 0.0, None, 3000),
+         ("bf16", 1, 0.0, 1, None))
 
 
 def _assert_trains_as_deepspeed(out: dict, ranks: int) -> None:
@@ -193,3 +203,21 @@ def test_lean_zero3_step_trains_as_deepspeeds_step_on_two_ranks():
         results.append(json.loads(line[len("RESULT "):]))
     for out in results:
         _assert_trains_as_deepspeed(out, ranks=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fast_current_stream_is_torchs_current_stream():
+    """zero3_grads.fast_current_stream: DeepSpeed's accelerator gives the stream torch would, outside a
+    stream context and inside one."""
+    out = run_one_rank("""
+        from deepspeed.accelerator import get_accelerator
+        from dstrain.rank.zero3_grads import fast_current_stream
+        accelerator = get_accelerator()
+        applied = fast_current_stream()
+        side = torch.cuda.Stream()
+        outside = accelerator.current_stream() == torch.cuda.current_stream()
+        with torch.cuda.stream(side):
+            inside = accelerator.current_stream() == side and accelerator.current_stream(0) == side
+        result({"applied": applied, "outside": outside, "inside": inside})
+    """, accelerator="cuda")
+    assert out == {"applied": True, "outside": True, "inside": True}

@@ -33,6 +33,10 @@ def init_rank(collective_timeout_s: float | None = None):
     if get_accelerator().device_name() == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
+        from dstrain.rank.zero3_grads import fast_current_stream
+        from dstrain.switches import switched_off
+        if not switched_off(os.environ, "DSTRAIN_CUDA_STREAM"):
+            fast_current_stream()
         return rank, world, torch.device("cuda", local_rank)
     return rank, world, torch.device("cpu")
 

@@ -195,6 +195,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     from dstrain.models import build_model
     from dstrain.rank.offload import describe, speed_up_offload
     from dstrain.rank.runtime import enable_activation_checkpointing, initialize_engine
+    from dstrain.rank.zero3_grads import lean_zero3_grads
     from dstrain.rank.zero3_hooks import unhook_persistent_modules
     from dstrain.rank.zero3_step import describe_lean_step, lean_zero3_step
     from dstrain.switches import switched_off
@@ -209,8 +210,9 @@ def _build_engine(config, ds_config: dict, device, rank: int):
         print(offload_changes, flush=True)
     if not switched_off(os.environ, "DSTRAIN_ZERO3_STEP") and lean_zero3_step(engine):  # ZeRO-3, no offload
         unhooked = 0 if switched_off(os.environ, "DSTRAIN_ZERO3_HOOKS") else unhook_persistent_modules(engine)
+        lean_grads = not switched_off(os.environ, "DSTRAIN_ZERO3_GRADS") and lean_zero3_grads(engine)
         if rank == 0:
-            print(describe_lean_step(unhooked), flush=True)
+            print(describe_lean_step(unhooked, lean_grads), flush=True)
     return engine, model
 
 

@@ -1,0 +1,142 @@
+"""ZeRO-3 without offload: DeepSpeed's per-gradient host work in the backward made lean (DeepSpeed 0.19's
+DeepSpeedZeroOptimizer_Stage3), and a cheaper "current CUDA stream".
+
+Each parameter's gradient passes through two per-parameter Python paths in DeepSpeed's backward: the
+hook copies it into the contiguous reduce bucket (through four layers of wrappers, three lookups of the
+current stream, a dtype and group lookup per call), and after each bucket's reduce-scatter
+`partition_grads` copies each reduced partition into the parameter's gradient slot, asking the
+process group for this rank's index once per parameter. On a small GPT on one GPU these, with the
+step's, were most of the host's time in a host-bound step (docs/benchmarks.md, finding 40). Here the
+bucket copy is the same narrow, copy and stream bookkeeping with the invariants checked once, and the
+partition copies are one multi-tensor copy (or add, when accumulating) per bucket: the same kernels'
+arithmetic, so the weights are DeepSpeed's to the bit (tests/test_zero3_step.py).
+
+DeepSpeed asks its accelerator for the current CUDA stream about six times per parameter per step
+(1,200 a step on the 406M GPT); torch.cuda.current_stream() without a device finds the device through
+torch.cuda.is_available() and an environment lookup every time. `fast_current_stream` hands it the
+current device's index, which gives the same stream.
+"""
+
+from __future__ import annotations
+
+import types
+
+
+def lean_zero3_grads(engine) -> bool:
+    """Give `engine`'s ZeRO-3 optimizer the lean bucket copy and batched partition copies; False (nothing
+    changed) unless dstrain's ZeRO-3 step is installed (zero3_step.py: no offload, no Muon, ZenFlow, model
+    parallelism or hpZ) and the set-up is the one these cover: contiguous gradients, one communication
+    dtype without torch autocast, no AutoEP folding, every parameter partitioned over one group."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from dstrain.rank.zero3_step import has_lean_step
+
+    optimizer = getattr(engine, "optimizer", None)
+    if type(optimizer) is not DeepSpeedZeroOptimizer_Stage3 or not has_lean_step(optimizer):
+        return False
+    needed = ("ipg_buckets", "reduce_and_partition_stream", "reduce_bucket_size", "contiguous_gradients",
+              "communication_data_type", "micro_step_id", "gradient_accumulation_dtype",
+              "_offload_boundary_param_ids", "_get_param_partition_group",
+              "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads",
+              "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+    if not all(hasattr(optimizer, name) for name in needed) or not optimizer.contiguous_gradients:
+        return False
+    try:
+        from deepspeed.runtime.torch_autocast import is_autocast_initialized
+    except ImportError:
+        return False
+    if (is_autocast_initialized() or getattr(optimizer, "autoep_folding_tp_group", None) is not None
+            or list(optimizer.ipg_buckets) != [optimizer.communication_data_type]):
+        return False
+    params = optimizer._dstrain_params
+    group = optimizer._get_param_partition_group(params[0]) if params else None
+    if group is None or any(optimizer._get_param_partition_group(p) is not group for p in params):
+        return False
+    from deepspeed import comm as dist
+    optimizer._dstrain_partition_group = group
+    optimizer._dstrain_partition_rank = dist.get_rank(group=group)
+    optimizer.reduce_independent_p_g_buckets_and_remove_grads = types.MethodType(_add_to_bucket, optimizer)
+    optimizer.partition_grads = types.MethodType(_partition_grads, optimizer)
+    return True
+
+
+def has_lean_grads(optimizer) -> bool:
+    return getattr(getattr(optimizer, "partition_grads", None), "__func__", None) is _partition_grads
+
+
+def _add_to_bucket(self, param) -> None:
+    """DeepSpeed's reduce_independent_p_g_buckets_and_remove_grads and __add_grad_to_ipg_bucket for this
+    set-up: reduce the bucket first if the gradient does not fit, then copy it in on the reduce stream."""
+    from deepspeed.accelerator import get_accelerator
+
+    dtype = self.communication_data_type
+    bucket = self.ipg_buckets[dtype]
+    grad = param.grad
+    numel = grad.numel()
+    if bucket.elements + param.ds_numel > self.reduce_bucket_size and bucket.elements > 0:
+        self._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads(dtype)
+    if not getattr(param, "ds_grad_is_ready", True):
+        return
+    accelerator = get_accelerator()
+    stream = self.reduce_and_partition_stream
+    if not accelerator.resolves_data_dependency():
+        stream.wait_stream(accelerator.current_stream())
+    if bucket.elements + numel <= self.reduce_bucket_size:  # else DeepSpeed reduces it where it is
+        with accelerator.stream(stream):
+            flat = bucket.buffer.narrow(0, bucket.elements, numel).view_as(grad)
+            flat.copy_(grad, non_blocking=True)
+            if not accelerator.is_synchronized_device():
+                grad.record_stream(stream)  # read on the reduce stream: not reused before it is done
+            grad.data = flat
+    bucket.params.append(param)
+    bucket.process_group = self._dstrain_partition_group
+    bucket.elements += numel
+
+
+def _partition_grads(self, params_to_release: list, grad_partitions: list) -> list:
+    """DeepSpeed's partition_grads without offload: this rank's reduced partitions copied into (on the
+    first micro-step) or added to the parameters' gradient slots, one multi-tensor operation a bucket."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    slots = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+    rank = self._dstrain_partition_rank
+    buffers, sources = [], []
+    for param, grad_partition in zip(params_to_release, grad_partitions):
+        if param.partition_numel() * rank >= param.ds_numel:  # this rank's partition is all padding
+            param.grad = None
+            continue
+        self._offload_boundary_param_ids.add(param.ds_id)
+        buffers.append(slots[param.ds_id].narrow(0, 0, grad_partition.numel()))
+        sources.append(grad_partition)
+    if buffers:
+        if self.micro_step_id == 0:  # don't accumulate
+            torch._foreach_copy_(buffers, sources, non_blocking=True)
+        else:
+            torch._foreach_add_(buffers, [g.to(self.gradient_accumulation_dtype).view(b.shape)
+                                          for g, b in zip(sources, buffers)])
+    accelerator = get_accelerator()
+    current = None if accelerator.is_synchronized_device() else accelerator.current_stream()
+    for param in params_to_release:
+        if current is not None and param.grad is not None:
+            param.grad.record_stream(current)
+        param.grad = None
+    return buffers
+
+
+def fast_current_stream() -> bool:
+    """Make DeepSpeed's CUDA accelerator look the current stream up by the current device's index;
+    False (nothing changed) off CUDA."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cuda" or not torch.cuda.is_available():
+        return False
+    current_device, current_stream = torch.cuda.current_device, torch.cuda.current_stream
+
+    def current_stream_of(device_index=None):
+        return current_stream(current_device() if device_index is None else device_index)
+
+    accelerator.current_stream = current_stream_of
+    return True
