@@ -38,7 +38,8 @@ def lean_zero3_grads(engine) -> bool:
               "communication_data_type", "micro_step_id", "gradient_accumulation_dtype",
               "_offload_boundary_param_ids", "_get_param_partition_group",
               "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads",
-              "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+              "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "params_already_reduced",
+              "averaged_gradients", "_epilogue_ran_this_backward")
     if not all(hasattr(optimizer, name) for name in needed) or not optimizer.contiguous_gradients:
         return False
     try:
@@ -57,6 +58,7 @@ def lean_zero3_grads(engine) -> bool:
     optimizer._dstrain_partition_rank = dist.get_rank(group=group)
     optimizer.reduce_independent_p_g_buckets_and_remove_grads = types.MethodType(_add_to_bucket, optimizer)
     optimizer.partition_grads = types.MethodType(_partition_grads, optimizer)
+    optimizer.independent_gradient_partition_epilogue = types.MethodType(_epilogue, optimizer)
     return True
 
 
@@ -122,6 +124,28 @@ def _partition_grads(self, params_to_release: list, grad_partitions: list) -> li
             param.grad.record_stream(current)
         param.grad = None
     return buffers
+
+
+def _epilogue(self) -> None:
+    """DeepSpeed's independent_gradient_partition_epilogue without offload (its memory reports, off,
+    left out): reduce what is left in the bucket and point the step at the gradient partitions. Where
+    DeepSpeed then waits on the host for the reduce stream, which holds the host until the GPU has run
+    the whole backward, the current stream waits for it on the device: everything that reads the
+    partitions next (the step's norm and update, the next backward's additions) runs on it."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    self._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads(self.communication_data_type)
+    accelerator = get_accelerator()
+    if not accelerator.resolves_data_dependency():
+        accelerator.current_stream().wait_stream(self.reduce_and_partition_stream)
+    for param_id in self.params_already_reduced:
+        self.params_already_reduced[param_id] = False
+    slots = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+    for i, sub_group in enumerate(self.fp16_groups):
+        self.averaged_gradients[i] = [slots[param.ds_id] if param.requires_grad else torch.zeros_like(param.ds_tensor)
+                                      for param in sub_group]
+    self._epilogue_ran_this_backward = True
 
 
 def fast_current_stream() -> bool:

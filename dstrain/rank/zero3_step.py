@@ -62,6 +62,12 @@ def lean_zero3_step(engine) -> bool:
     if any(group and optimizer._autoep_expert_parallel_group(group) is not None for group in optimizer.fp16_groups):
         return False
     optimizer._dstrain_params = params
+    # one rank holds every partition whole (no padding), on the device: the gather after the step is a view
+    from deepspeed import comm as dist
+    optimizer._dstrain_one_rank = all(
+        dist.get_world_size(group=optimizer._get_param_partition_group(p)) == 1
+        and p.ds_tensor.numel() == p.ds_numel and p.ds_tensor.device.type == torch.device(optimizer.device).type
+        for p in params)
     optimizer.step = types.MethodType(_lean_step, optimizer)
     return True
 
@@ -135,9 +141,22 @@ def release_all_parameters(self) -> None:
 def gather_persistent_parameters(self) -> None:
     """Gather the persistent parameters' updated partitions, as DeepSpeed's _post_step does, in one
     coalesced all-gather instead of one collective a parameter. On one rank there is nothing to gather:
-    each parameter's data is its partition again."""
-    if self.persistent_parameters:
-        self.persistent_parameters[0].all_gather_coalesced(self.persistent_parameters).wait()
+    each parameter's data is its partition again, set here as DeepSpeed's no-gather handle sets it, but
+    without the handle's wait, which synchronizes the host with the GPU's whole step (on CUDA): the
+    partitions are on this device and written on its stream, so the next forward reads them in order."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    params = self.persistent_parameters
+    if not params:
+        return
+    if not self._dstrain_one_rank:
+        params[0].all_gather_coalesced(params).wait()
+        return
+    for param in params:
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"{param.ds_summary()} expected to be released")
+        param.data = param.ds_tensor.data.view(param.ds_shape)
+        param.ds_status = ZeroParamStatus.AVAILABLE
 
 
 def grad_norm_groups(self) -> list:
