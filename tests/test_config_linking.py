@@ -170,7 +170,7 @@ def test_huge_global_batch_mismatch_is_reported_at_once():
     ("stage1", [], "cuda", True),
     ("stage2", [], "cuda", True),
     ("stage2", [], "cpu", False),                                     # CPU ranks: never
-    ("stage3", [], "cuda", False),                                    # ZeRO-3 measured slower
+    ("stage3", [], "cuda", False),                                    # ZeRO-3 measured no faster
     ("stage2_offload", [], "cuda", False),                            # not measured
     ("stage2", ["train.activation_checkpointing=true"], "cuda", False),
     ("stage2", ["train.precision=fp32"], "cuda", False),
@@ -204,4 +204,4 @@ def test_stage3_on_one_gpu_is_warned_about_with_the_measured_cost(preset, world,
     hits = [w for w in resolved.warnings if "stage 3 on one GPU" in w]
     assert bool(hits) is warned
     if warned:
-        assert "stage2" in hits[0] and "0.96 on a 1.3B" in hits[0] and "1.01-1.09" in hits[0]
+        assert "stage2" in hits[0] and "0.95-1.00 on a 913M and a 1.3B" in hits[0] and "0.99-1.03" in hits[0]

@@ -173,8 +173,10 @@ def test_deepcompile_settings_that_cannot_run_are_refused_with_the_fix(sets, acc
 class _CompileRecorder:
     """Records what dstrain's worker hands engine.compile() (DeepCompile itself needs CUDA)."""
 
-    def __init__(self, global_steps):
+    def __init__(self, global_steps, module=None):
+        import torch
         self.global_steps, self.schedules = global_steps, []
+        self.module = module if module is not None else torch.nn.Linear(2, 2)  # no ZeRO-3 leaf modules
 
     def compile(self, schedule=None):
         self.schedules.append(schedule)
@@ -207,3 +209,22 @@ def test_deepspeeds_own_schedule_is_kept_where_dstrain_has_no_reason_to_choose(d
     engine = _CompileRecorder(0)
     compile_engine(engine, ds_config, 1)
     assert engine.schedules == [None]
+
+
+def test_zero3_compiles_its_leaf_modules_forward_not_the_whole_model():
+    """ZeRO-3 without DeepCompile: each leaf module's forward is compiled (DeepSpeed's hooks, in the
+    module's call around it, stay eager) and engine.compile() is not called; the output is eager's."""
+    import torch
+    from deepspeed.utils import set_z3_leaf_modules
+
+    from dstrain.rank.runtime import compile_engine
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    set_z3_leaf_modules(model, [torch.nn.Linear])
+    x = torch.randn(3, 8)
+    eager = model(x)
+    engine = _CompileRecorder(0, model)
+    compile_engine(engine, {"zero_optimization": {"stage": 3}}, 1)
+    assert engine.schedules == []
+    assert ["forward" in vars(m) for m in model] == [True, False, True]
+    assert torch.allclose(model(x), eager, atol=1e-6)

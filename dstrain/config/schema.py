@@ -162,7 +162,7 @@ class TrainConfig(Section):
     stage 0-2, no offload and no activation checkpointing (+15% to +37% tokens/s, 40-50% less GPU
     memory, 30-50 s more to the first step until torch's compile cache is warm), and wherever
     deepspeed.compile.deepcompile is on (set it true to have it; dstrain leaves it off: eager ZeRO-3 with
-    dstrain's step ran as fast); off otherwise (ZeRO-3 without DeepCompile measured slower compiled;
+    dstrain's step ran as fast); off otherwise (ZeRO-3 without DeepCompile measured no faster compiled;
     set true to compile your own model)."""
     seed: int = 1234
     """Seed for model init, data order and dropout; the same seed gives the same run."""

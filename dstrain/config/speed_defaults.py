@@ -131,7 +131,7 @@ def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, not
     elif config.train.precision != "bf16":
         why_off = f"{config.train.precision} was not measured"
     elif zero.get("stage", 0) == 3:
-        why_off = "ZeRO stage 3 measured slower compiled without DeepCompile"
+        why_off = "ZeRO stage 3 measured no faster compiled without DeepCompile"
     elif offloaded:
         why_off = f"{offloaded[0]} was not measured"
     elif config.train.activation_checkpointing:
@@ -172,5 +172,7 @@ def compile_warnings(config: RunConfig, ds: dict[str, Any], merged: Merged, warn
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     if config.train.compile and stage == 3 and not deepcompile_on(ds):
         warnings.append(f"{merged.where('train.compile')}: with ZeRO stage 3 compiling without DeepCompile "
-                        "measured 0.52x of eager speed (its gather hooks break the graph); consider "
+                        "measured no faster than eager: the built-in GPT's blocks compiled one by one (ZeRO-3 "
+                        "leaf modules, DeepSpeed's hooks outside the graph) 0.91-0.94x on a 406M GPT and 1.00x "
+                        "on a 1.3B, a whole model with the gather hooks inside its graph 0.52x; consider "
                         "train.compile=false, or deepspeed.compile.deepcompile=true")
