@@ -69,22 +69,23 @@ def has_lean_grads(optimizer) -> bool:
 def _add_to_bucket(self, param) -> None:
     """DeepSpeed's reduce_independent_p_g_buckets_and_remove_grads and __add_grad_to_ipg_bucket for this
     set-up: reduce the bucket first if the gradient does not fit, then copy it in on the reduce stream."""
+    import torch
     from deepspeed.accelerator import get_accelerator
 
     dtype = self.communication_data_type
     bucket = self.ipg_buckets[dtype]
-    grad = param.grad
-    numel = grad.numel()
     if bucket.elements + param.ds_numel > self.reduce_bucket_size and bucket.elements > 0:
         self._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads(dtype)
     if not getattr(param, "ds_grad_is_ready", True):
         return
+    grad = param.grad
+    numel = grad.numel()
     accelerator = get_accelerator()
     stream = self.reduce_and_partition_stream
     if not accelerator.resolves_data_dependency():
         stream.wait_stream(accelerator.current_stream())
     if bucket.elements + numel <= self.reduce_bucket_size:  # else DeepSpeed reduces it where it is
-        with accelerator.stream(stream):
+        with torch.no_grad(), accelerator.stream(stream):
             flat = bucket.buffer.narrow(0, bucket.elements, numel).view_as(grad)
             flat.copy_(grad, non_blocking=True)
             if not accelerator.is_synchronized_device():
