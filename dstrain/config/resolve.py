@@ -448,7 +448,7 @@ def _one_gpu_stage3_warning(ds: dict[str, Any], merged: Merged, world: int, acce
     if (zero.get("offload_param") or {}).get("device", "none") != "none":
         return  # parameter offload is stage 3's alone: there it is the point
     warnings.append(f"{_where(merged, 'deepspeed.zero_optimization.stage')}: ZeRO stage 3 on one GPU partitions "
-                    "nothing (one rank holds every shard) and measured 0.75-0.93 of plain PyTorch's speed on a 406M "
+                    "nothing (one rank holds every shard) and measured 0.75-0.98 of plain PyTorch's speed on a 406M "
                     "GPT (the host's speed decides), 0.95-1.00 on a 913M and a 1.3B, against "
                     "stage 2's 0.99-1.03; use stage2 (or stage2_offload if it does not fit: "
                     "`dstrain estimate` compares them)")

@@ -431,7 +431,7 @@ def _placement_notes(placement: Placement, hw: Hardware) -> list[str]:
     if placement.stage == 3 and placement.offload_param == "none" and hw.total_gpus == 1 and hw.accelerator == "cuda":
         # docs/benchmarks.md, finding 16; dstrain config says the same (config/resolve.py)
         notes.append("one GPU: ZeRO-3 partitions nothing here but still runs its gather machinery; it measured "
-                     "0.75-0.93 of plain PyTorch's speed on a 406M GPT (the host's speed decides), 0.95-1.00 on a "
+                     "0.75-0.98 of plain PyTorch's speed on a 406M GPT (the host's speed decides), 0.95-1.00 on a "
                      "913M and a 1.3B, against stage 2's 0.99-1.03: prefer stage2")
     if placement.offload_param != "none" and placement.stage != 3:
         notes.append(f"offload_param={placement.offload_param} ignored: DeepSpeed offloads parameters in stage 3 only")
