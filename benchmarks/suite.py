@@ -155,14 +155,11 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
         from dstrain.rank.offload import speed_up_offload
         applied = speed_up_offload(engine, os.environ)
         print("dstrain offload changes: " + ", ".join(f"{k} {v}" for k, v in applied.items()), flush=True)
-    if dstrain_zero3_step:  # as dstrain's worker applies them (DSTRAIN_ZERO3_HOOKS=off keeps the hooks)
-        from dstrain.rank.zero3_hooks import unhook_persistent_modules
-        from dstrain.rank.zero3_step import lean_zero3_step
+    if dstrain_zero3_step:  # as dstrain's worker and init_rank apply them, with the same DSTRAIN_* switches
+        from dstrain.rank.runtime import fast_current_stream
+        from dstrain.rank.zero3 import speed_up_zero3
         from dstrain.switches import switched_off
-        from dstrain.rank.zero3_grads import fast_current_stream, lean_zero3_grads
-        lean = lean_zero3_step(engine)
-        unhooked = unhook_persistent_modules(engine) if not switched_off(os.environ, "DSTRAIN_ZERO3_HOOKS") else 0
-        grads = not switched_off(os.environ, "DSTRAIN_ZERO3_GRADS") and lean_zero3_grads(engine)
+        lean, unhooked, grads = speed_up_zero3(engine, os.environ)
         streams = not switched_off(os.environ, "DSTRAIN_CUDA_STREAM") and fast_current_stream()
         print(f"dstrain ZeRO-3 step: {lean}, modules unhooked: {unhooked}, lean gradients: {grads}, "
               f"fast current stream: {streams}", flush=True)

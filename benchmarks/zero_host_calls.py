@@ -77,10 +77,7 @@ def main() -> None:
 
     from dstrain.config.resolve import resolve
     from dstrain.models.gpt import GPT
-    from dstrain.switches import switched_off
-    from dstrain.rank.zero3_grads import lean_zero3_grads
-    from dstrain.rank.zero3_hooks import unhook_persistent_modules
-    from dstrain.rank.zero3_step import lean_zero3_step
+    from dstrain.rank.zero3 import speed_up_zero3
 
     deepspeed.init_distributed(dist_backend="gloo")
     width, vocab, seq, micro = args.d_model, 512, 64, 2
@@ -91,10 +88,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(vocab, seq, width, args.n_layer, 4)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
-    if ds["zero_optimization"]["stage"] == 3 and lean_zero3_step(engine):
-        unhook_persistent_modules(engine)
-        if not switched_off(os.environ, "DSTRAIN_ZERO3_GRADS"):
-            lean_zero3_grads(engine)
+    if ds["zero_optimization"]["stage"] == 3:
+        speed_up_zero3(engine, os.environ)
     elif args.lean_bucket:
         lean_bucket(engine.optimizer)
 

@@ -207,11 +207,11 @@ def test_lean_zero3_step_trains_as_deepspeeds_step_on_two_ranks():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fast_current_stream_is_torchs_current_stream():
-    """zero3_grads.fast_current_stream: DeepSpeed's accelerator gives the stream torch would, outside a
+    """runtime.fast_current_stream: DeepSpeed's accelerator gives the stream torch would, outside a
     stream context and inside one."""
     out = run_one_rank("""
         from deepspeed.accelerator import get_accelerator
-        from dstrain.rank.zero3_grads import fast_current_stream
+        from dstrain.rank.runtime import fast_current_stream
         accelerator = get_accelerator()
         applied = fast_current_stream()
         side = torch.cuda.Stream()

@@ -195,10 +195,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     from dstrain.models import build_model
     from dstrain.rank.offload import describe, speed_up_offload
     from dstrain.rank.runtime import enable_activation_checkpointing, initialize_engine
-    from dstrain.rank.zero3_grads import lean_zero3_grads
-    from dstrain.rank.zero3_hooks import unhook_persistent_modules
-    from dstrain.rank.zero3_step import describe_lean_step, lean_zero3_step
-    from dstrain.switches import switched_off
+    from dstrain.rank.zero3 import describe_lean_step, speed_up_zero3
 
     model = build_model(config, ds_config, device)
     if config.train.activation_checkpointing:
@@ -208,11 +205,9 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     offload_changes = describe(speed_up_offload(engine, os.environ))  # CPU offload only (rank/offload.py)
     if offload_changes and rank == 0:
         print(offload_changes, flush=True)
-    if not switched_off(os.environ, "DSTRAIN_ZERO3_STEP") and lean_zero3_step(engine):  # ZeRO-3, no offload
-        unhooked = 0 if switched_off(os.environ, "DSTRAIN_ZERO3_HOOKS") else unhook_persistent_modules(engine)
-        lean_grads = not switched_off(os.environ, "DSTRAIN_ZERO3_GRADS") and lean_zero3_grads(engine)
-        if rank == 0:
-            print(describe_lean_step(unhooked, lean_grads), flush=True)
+    lean, unhooked, lean_grads = speed_up_zero3(engine, os.environ)  # ZeRO-3 without offload only
+    if lean and rank == 0:
+        print(describe_lean_step(unhooked, lean_grads), flush=True)
     return engine, model
 
 

@@ -1,5 +1,5 @@
 """ZeRO-3 without offload: DeepSpeed's per-gradient host work in the backward made lean (DeepSpeed 0.19's
-DeepSpeedZeroOptimizer_Stage3), and a cheaper "current CUDA stream".
+DeepSpeedZeroOptimizer_Stage3).
 
 Each parameter's gradient passes through two per-parameter Python paths in DeepSpeed's backward: the
 hook copies it into the contiguous reduce bucket (through four layers of wrappers, three lookups of the
@@ -10,16 +10,13 @@ step's, were most of the host's time in a host-bound step (docs/benchmarks.md, f
 bucket copy is the same narrow, copy and stream bookkeeping with the invariants checked once, and the
 partition copies are one multi-tensor copy (or add, when accumulating) per bucket: the same kernels'
 arithmetic, so the weights are DeepSpeed's to the bit (tests/test_zero3_step.py).
-
-DeepSpeed asks its accelerator for the current CUDA stream about six times per parameter per step
-(1,200 a step on the 406M GPT); torch.cuda.current_stream() without a device finds the device through
-torch.cuda.is_available() and an environment lookup every time. `fast_current_stream` hands it the
-current device's index, which gives the same stream.
 """
 
 from __future__ import annotations
 
 import types
+
+import torch
 
 
 def lean_zero3_grads(engine) -> bool:
@@ -54,6 +51,8 @@ def lean_zero3_grads(engine) -> bool:
     if group is None or any(optimizer._get_param_partition_group(p) is not group for p in params):
         return False
     from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    optimizer._dstrain_accelerator = get_accelerator()  # looked up once: the hooks below run per gradient
     optimizer._dstrain_partition_group = group
     optimizer._dstrain_partition_rank = dist.get_rank(group=group)
     optimizer.reduce_independent_p_g_buckets_and_remove_grads = types.MethodType(_add_to_bucket, optimizer)
@@ -69,9 +68,6 @@ def has_lean_grads(optimizer) -> bool:
 def _add_to_bucket(self, param) -> None:
     """DeepSpeed's reduce_independent_p_g_buckets_and_remove_grads and __add_grad_to_ipg_bucket for this
     set-up: reduce the bucket first if the gradient does not fit, then copy it in on the reduce stream."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
     dtype = self.communication_data_type
     bucket = self.ipg_buckets[dtype]
     if bucket.elements + param.ds_numel > self.reduce_bucket_size and bucket.elements > 0:
@@ -80,12 +76,14 @@ def _add_to_bucket(self, param) -> None:
         return
     grad = param.grad
     numel = grad.numel()
-    accelerator = get_accelerator()
+    accelerator = self._dstrain_accelerator
     stream = self.reduce_and_partition_stream
     if not accelerator.resolves_data_dependency():
         stream.wait_stream(accelerator.current_stream())
     if bucket.elements + numel <= self.reduce_bucket_size:  # else DeepSpeed reduces it where it is
-        with torch.no_grad(), accelerator.stream(stream):
+        # no torch.no_grad() as DeepSpeed's: the hook runs in autograd's backward, where grad mode is off
+        # (engine.backward never asks for a graph of the backward)
+        with accelerator.stream(stream):
             flat = bucket.buffer.narrow(0, bucket.elements, numel).view_as(grad)
             flat.copy_(grad, non_blocking=True)
             if not accelerator.is_synchronized_device():
@@ -99,9 +97,6 @@ def _add_to_bucket(self, param) -> None:
 def _partition_grads(self, params_to_release: list, grad_partitions: list) -> list:
     """DeepSpeed's partition_grads without offload: this rank's reduced partitions copied into (on the
     first micro-step) or added to the parameters' gradient slots, one multi-tensor operation a bucket."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
     slots = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
     rank = self._dstrain_partition_rank
     buffers, sources = [], []
@@ -118,7 +113,7 @@ def _partition_grads(self, params_to_release: list, grad_partitions: list) -> li
         else:
             torch._foreach_add_(buffers, [g.to(self.gradient_accumulation_dtype).view(b.shape)
                                           for g, b in zip(sources, buffers)])
-    accelerator = get_accelerator()
+    accelerator = self._dstrain_accelerator
     current = None if accelerator.is_synchronized_device() else accelerator.current_stream()
     for param in params_to_release:
         if current is not None and param.grad is not None:
@@ -133,11 +128,8 @@ def _epilogue(self) -> None:
     DeepSpeed then waits on the host for the reduce stream, which holds the host until the GPU has run
     the whole backward, the current stream waits for it on the device: everything that reads the
     partitions next (the step's norm and update, the next backward's additions) runs on it."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
     self._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads(self.communication_data_type)
-    accelerator = get_accelerator()
+    accelerator = self._dstrain_accelerator
     if not accelerator.resolves_data_dependency():
         accelerator.current_stream().wait_stream(self.reduce_and_partition_stream)
     for param_id in self.params_already_reduced:
@@ -147,21 +139,3 @@ def _epilogue(self) -> None:
         self.averaged_gradients[i] = [slots[param.ds_id] if param.requires_grad else torch.zeros_like(param.ds_tensor)
                                       for param in sub_group]
     self._epilogue_ran_this_backward = True
-
-
-def fast_current_stream() -> bool:
-    """Make DeepSpeed's CUDA accelerator look the current stream up by the current device's index;
-    False (nothing changed) off CUDA."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cuda" or not torch.cuda.is_available():
-        return False
-    current_device, current_stream = torch.cuda.current_device, torch.cuda.current_stream
-
-    def current_stream_of(device_index=None):
-        return current_stream(current_device() if device_index is None else device_index)
-
-    accelerator.current_stream = current_stream_of
-    return True

@@ -72,19 +72,6 @@ def lean_zero3_step(engine) -> bool:
     return True
 
 
-def describe_lean_step(unhooked: int, lean_grads: bool = False) -> str:
-    """The line rank 0 prints when lean_zero3_step applied (and zero3_hooks.py took the hooks off
-    `unhooked` modules, zero3_grads.py made the backward's gradient copies lean), with the switches."""
-    line = ("ZeRO-3: the step's release, gradient norm and persistent gather batched "
-            "(DSTRAIN_ZERO3_STEP=off: DeepSpeed's step)")
-    if lean_grads:
-        line += "; the backward's gradient copies lean (DSTRAIN_ZERO3_GRADS=off: DeepSpeed's)"
-    if unhooked:
-        line += (f"; no module hooks on {unhooked} modules whose parameters stay gathered "
-                 "(DSTRAIN_ZERO3_HOOKS=off: kept)")
-    return line
-
-
 def has_lean_step(optimizer) -> bool:
     """Whether lean_zero3_step gave `optimizer` its step."""
     return getattr(getattr(optimizer, "step", None), "__func__", None) is _lean_step
