@@ -190,8 +190,8 @@ GIL_SCRIPT = """
 def test_the_worker_threads_adam_kernel_leaves_the_gil_to_the_training_thread():
     """adam_nogil.py: DeepSpeed's cpu_adam binding holds the GIL through an update, so Python on another
     thread stops for all of it; dstrain's build of the same kernel lets it run."""
-    (deepspeed_pause, deepspeed_update), (dstrain_pause, dstrain_update) = (
-        run_one_rank(GIL_SCRIPT)[name] for name in ("deepspeed", "dstrain"))
+    pauses = run_one_rank(GIL_SCRIPT)
+    (deepspeed_pause, deepspeed_update), (dstrain_pause, dstrain_update) = pauses["deepspeed"], pauses["dstrain"]
     # a 32M-element update takes 14-28 ms on the 2-core machine; with the GIL held the training thread
     # stops for most of one, with it released only for the switch interval and the cores' contention
     assert deepspeed_update > 0.005 and dstrain_update > 0.005, (deepspeed_update, dstrain_update)
