@@ -54,11 +54,11 @@ TINY_MLP = """
 """  # indented as the scripts are: run_one_rank dedents the whole
 
 
-def run_one_rank(script: str, timeout: float = 600, accelerator: str = "cpu"):
-    """Run ONE_RANK_PREAMBLE + `script` on DeepSpeed's CPU accelerator (gloo) or on GPU 0 (cuda, nccl);
-    the value it passed to result()."""
+def run_one_rank(script: str, timeout: float = 600, accelerator: str = "cpu", env: dict | None = None):
+    """Run ONE_RANK_PREAMBLE + `script` on DeepSpeed's CPU accelerator (gloo) or on GPU 0 (cuda, nccl),
+    with `env` added to the environment; the value it passed to result()."""
     done = subprocess.run([sys.executable, "-c", ONE_RANK_PREAMBLE + textwrap.dedent(script)], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "DS_ACCELERATOR": accelerator})
+                          text=True, timeout=timeout, env={**os.environ, **(env or {}), "DS_ACCELERATOR": accelerator})
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(line[len("RESULT "):])
