@@ -41,14 +41,43 @@ def init_rank(collective_timeout_s: float | None = None):
 
 
 def close_process_groups() -> None:
-    """Destroy every process group at the end of a rank's run, as torch asks: a process that exits with
-    gloo's groups alive can abort in the interpreter's teardown ("terminate called without an active
-    exception", pytorch/pytorch#190489), and NCCL warns about it. Called only after a run that returned:
-    the collectives are over on every rank."""
-    import torch.distributed as dist
+    """Destroy every process group at the end of a rank's run, as torch asks (NCCL warns otherwise).
+    Called only after a run that returned: the collectives are over on every rank.
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    Gloo first gets a barrier on each of its groups. Gloo's worker thread lets go of a collective's work
+    just after `wait()` has returned, freeing tensors Python saw, for which it needs the GIL. A rank with
+    little left to do can reach the interpreter's teardown first; the thread then cannot take the GIL
+    and the process aborts ("terminate called without an active exception", pytorch/pytorch#190489;
+    about one two-rank launch in ten of tests/convert_fixtures/train_tiny.py). Destroying the groups
+    does not stop those threads while DeepSpeed still holds the groups. A barrier completes only after
+    the group's earlier work, so by then the threads have let go of it, unless one was kept waiting for
+    a core: exit_without_teardown covers that."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for group in list(c10d._world.pg_map):
+        if dist.get_backend(group) == "gloo":
+            dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+def exit_without_teardown(code: int) -> None:
+    """End the rank's process with `code` as Python's own exit would (other threads joined, atexit
+    handlers run, output flushed), but without the interpreter's teardown, where a gloo worker thread
+    still letting go of a collective's tensors aborts the process (close_process_groups) and the
+    launcher then reports a finished run as failed."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # what the exit would run next: DeepSpeed's, the trackers', logging's flush
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def quiet_logging(verbose: bool) -> None:

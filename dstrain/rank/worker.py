@@ -265,4 +265,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from dstrain.rank.runtime import exit_without_teardown
+    exit_without_teardown(main(sys.argv[1:]))

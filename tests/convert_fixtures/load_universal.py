@@ -15,7 +15,7 @@ import argparse
 
 import deepspeed
 import torch
-from train_tiny import TinyLM, build_config, param_groups  # same directory: on sys.path
+from train_tiny import TinyLM, build_config, end_rank, param_groups  # same directory: on sys.path
 from deepspeed.utils import safe_get_full_fp32_param
 
 
@@ -47,6 +47,7 @@ def main() -> None:
             fp32[name] = buffer.detach().cpu().clone()
     if engine.global_rank == 0:
         torch.save({"fp32": fp32, "params": params, "global_steps": engine.global_steps}, args.reference)
+    end_rank()
 
 
 if __name__ == "__main__":
