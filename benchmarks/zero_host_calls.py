@@ -6,6 +6,10 @@ copies, as the worker does (DSTRAIN_ZERO3_GRADS=off: DeepSpeed's copies).
 
     python3 benchmarks/zero_host_calls.py --preset stage2
     python3 benchmarks/zero_host_calls.py --preset stage2 --lean-bucket   # finding 38's prototype
+    torchrun --nproc_per_node 2 benchmarks/zero_host_calls.py --preset stage3 --top 15   # two ranks
+
+Started by torchrun (or the deepspeed launcher) it runs on that many ranks, with the JSON dstrain renders
+for that many GPUs, and rank 0 prints. --top N lists the N functions called most in each phase.
 
 --lean-bucket replaces ZeRO-1/2's bucket function (DeepSpeed's reduce_independent_p_g_buckets_and_remove_grads)
 with a prototype that keeps its copy and reduction for this set-up (contiguous gradients, no offload, no
@@ -64,14 +68,18 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--steps", type=int, default=20, help="profiled steps, after 10 unprofiled ones")
     p.add_argument("--lean-bucket", action="store_true")
+    p.add_argument("--top", type=int, default=0, help="list the N functions called most in each phase")
     args = p.parse_args()
 
     warnings.filterwarnings("ignore")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    if "WORLD_SIZE" not in os.environ:  # not started by a launcher: one rank
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     import deepspeed
     import torch
 
@@ -82,8 +90,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     width, vocab, seq, micro = args.d_model, 512, 64, 2
     sets = [f"train.micro_batch_size={micro}", f"model.d_model={width}", f"model.n_layer={args.n_layer}"]
-    # the JSON dstrain renders for one GPU (blocks whole and fetched as one under ZeRO-3), on a CPU rank
-    ds = resolve(args.preset, None, sets, world_size=1, accelerator="cuda", env={}).ds_config
+    # the JSON dstrain renders for WORLD GPUs (blocks whole and fetched as one under ZeRO-3), on CPU ranks
+    ds = resolve(args.preset, None, sets, world_size=world, accelerator="cuda", env={}).ds_config
     ds.pop("scheduler", None)
     torch.manual_seed(0)
     model = GPT(vocab, seq, width, args.n_layer, 4)
@@ -110,11 +118,18 @@ def main() -> None:
                 seconds[phase] += time.perf_counter() - started
             if phase == "forward":
                 loss = out
+    if rank != 0:
+        return
+    print(f"{world} rank(s), {args.preset}, {args.n_layer} layers of width {args.d_model}")
     for phase, profile in profiles.items():
         stats = pstats.Stats(profile, stream=io.StringIO())
         calls = sum(entry[1] for entry in stats.stats.values())
         print(f"{phase:9s} {calls / args.steps:9,.0f} Python calls a step  "
               f"{seconds[phase] / args.steps * 1000:7.1f} ms a step (profiled)")
+        # (file, line, name) -> (primitive calls, calls, own time, cumulative time, callers)
+        most = sorted(stats.stats.items(), key=lambda item: -item[1][1])[:args.top]
+        for (file, line, name), entry in most:
+            print(f"    {entry[1] / args.steps:7,.0f}  {name}  ({os.path.basename(file)}:{line})")
 
 
 if __name__ == "__main__":

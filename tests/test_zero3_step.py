@@ -110,10 +110,15 @@ SCRIPT = TINY_MLP + """
                 # between steps: the persistent parameters gathered and current, the others released
                 "statuses_right": all(p.ds_status == (ZeroParamStatus.AVAILABLE if id(p) in persistent
                                                       else ZeroParamStatus.NOT_AVAILABLE) for p in params),
-                "persistent_current": all(torch.equal(p.data.flatten().float().cpu(),
-                                                      p.ds_tensor.flatten()[:p.numel()].float().cpu())
-                                          for p in params if id(p) in persistent)
-                                      if int(os.environ["WORLD_SIZE"]) == 1 else None}
+                # a list, not a generator: every rank gathers every parameter, whatever it finds
+                "persistent_current": all([torch.equal(p.data.flatten().cpu(), whole(p))
+                                           for p in params if id(p) in persistent])}
+
+    def whole(param):
+        # the parameter as every rank's partition makes it, gathered here apart from the step
+        shares = [torch.empty_like(param.ds_tensor) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(shares, param.ds_tensor)
+        return torch.cat(shares)[:param.numel()].cpu()
 
     def key_of(precision, accum, clip, overflow_at, bucket):
         return (f"{precision}-{accum}-clip{clip}" + (f"-bucket{bucket}" if bucket else "")
@@ -162,9 +167,10 @@ def _assert_trains_as_deepspeed(out: dict, ranks: int) -> None:
         assert ours["statuses_right"] and theirs["statuses_right"], key
         assert ours["persistent"] == theirs["persistent"] == 4, key  # three biases and the last weight
         updates = 4 - ours["skipped"]
+        # after the last step the persistent parameters hold what their partitions make
+        assert ours["persistent_current"] is True and theirs["persistent_current"] is True, key
         if ranks == 1:  # nothing to gather on one rank: each parameter's data is its partition
             assert ours["gathers"] == theirs["gathers"] == 0, key
-            assert ours["persistent_current"] is True, key
         else:  # one collective a persistent parameter for DeepSpeed, one for all of them here
             assert theirs["gathers"] == 4 * updates, key
             assert ours["gathers"] == updates, key
@@ -179,9 +185,13 @@ def test_lean_zero3_step_trains_as_deepspeeds_step_on_a_gpu():
     _assert_trains_as_deepspeed(run_one_rank(f"    CASES = {CASES!r}\n" + SCRIPT, accelerator="cuda"), ranks=1)
 
 
-def test_lean_zero3_step_trains_as_deepspeeds_step_on_two_ranks():
-    """Two CPU ranks (gloo), each holding half of every partition: the persistent parameters are
-    gathered after each update, in one all-gather."""
+@pytest.mark.parametrize("accelerator", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")),
+])
+def test_lean_zero3_step_trains_as_deepspeeds_step_on_two_ranks(accelerator):
+    """Two ranks (gloo on CPU, NCCL on two GPUs), each holding half of every partition: the persistent
+    parameters are gathered after each update, in one all-gather, whole and current."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -189,10 +199,11 @@ def test_lean_zero3_step_trains_as_deepspeeds_step_on_two_ranks():
                                          'RANK=os.environ["TEST_RANK"], WORLD_SIZE="2", '
                                          'LOCAL_RANK=os.environ["TEST_RANK"]')
     preamble = preamble.replace('MASTER_PORT=str(port)', 'MASTER_PORT=os.environ["TEST_PORT"]')
-    assert preamble.count("TEST_RANK") == 2 and "TEST_PORT" in preamble
+    preamble = preamble.replace("torch.cuda.set_device(0)", 'torch.cuda.set_device(int(os.environ["TEST_RANK"]))')
+    assert preamble.count("TEST_RANK") == 3 and "TEST_PORT" in preamble
     code = preamble + textwrap.dedent(f"    CASES = {CASES[:1] + CASES[2:3]!r}\n" + SCRIPT)
     ranks = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "DS_ACCELERATOR": "cpu", "TEST_RANK": str(rank),
+                              env={**os.environ, "DS_ACCELERATOR": accelerator, "TEST_RANK": str(rank),
                                    "TEST_PORT": str(port)})
              for rank in (0, 1)]
     outputs = [rank.communicate(timeout=600) for rank in ranks]

@@ -12,11 +12,15 @@ from dstrain.switches import switched_off
 
 def speed_up_zero3(engine, env) -> tuple[bool, int, bool]:
     """dstrain's ZeRO-3 changes without offload, each unless its DSTRAIN_* switch is off: the step
-    (DSTRAIN_ZERO3_STEP), no hooks on whole modules (zero3_hooks.py, DSTRAIN_ZERO3_HOOKS) and the lean
-    backward (zero3_grads.py, DSTRAIN_ZERO3_GRADS), the latter two only with the step. Returns (step
-    installed, modules unhooked, lean backward installed)."""
+    (DSTRAIN_ZERO3_STEP; its gather on several ranks, DSTRAIN_ZERO3_GATHER), no hooks on whole modules
+    (zero3_hooks.py, DSTRAIN_ZERO3_HOOKS) and the lean backward (zero3_grads.py, DSTRAIN_ZERO3_GRADS),
+    the latter three only with the step. Returns (step installed, modules unhooked, lean backward
+    installed)."""
     if switched_off(env, "DSTRAIN_ZERO3_STEP") or not lean_zero3_step(engine):
         return False, 0, False
+    # several ranks: the persistent parameters' gather regrouped in one copy (DSTRAIN_ZERO3_GATHER=off:
+    # by DeepSpeed's coalesced handle, a parameter at a time)
+    engine.optimizer._dstrain_lean_gather = not switched_off(env, "DSTRAIN_ZERO3_GATHER")
     unhooked = 0 if switched_off(env, "DSTRAIN_ZERO3_HOOKS") else unhook_persistent_modules(engine)
     lean_grads = not switched_off(env, "DSTRAIN_ZERO3_GRADS") and lean_zero3_grads(engine)
     return True, unhooked, lean_grads

@@ -7,7 +7,7 @@ logging and checks), it takes the gradients' global norm as a cast, a norm kerne
 per gradient, and after the update it gathers the persistent parameters (the blocks dstrain keeps
 whole, finding 30) with one collective per parameter. Here the release frees each gathered
 parameter's data directly, the norm is one multi-tensor norm per sub-group, and the gather is one
-coalesced all-gather, the one DeepSpeed's own forward fetches use. Everything else (the overflow
+all-gather whose result one copy regroups by parameter (gather_into_views). Everything else (the overflow
 check and loss-scale update, the unscale and clip, the Adam update, the bf16 copy) is DeepSpeed's
 own code, in its order.
 
@@ -126,23 +126,83 @@ def release_all_parameters(self) -> None:
 
 
 def gather_persistent_parameters(self) -> None:
-    """Gather the persistent parameters' updated partitions, as DeepSpeed's _post_step does, in one
-    coalesced all-gather instead of one collective a parameter. On one rank there is nothing to gather:
-    each parameter's data is its partition again, set here as DeepSpeed's no-gather handle sets it, but
+    """Gather the persistent parameters' updated partitions, as DeepSpeed's _post_step does, with one
+    all-gather instead of one collective a parameter. On one rank there is nothing to gather: each
+    parameter's data is its partition again, set here as DeepSpeed's no-gather handle sets it, but
     without the handle's wait, which synchronizes the host with the GPU's whole step (on CUDA): the
-    partitions are on this device and written on its stream, so the next forward reads them in order."""
+    partitions are on this device and written on its stream, so the next forward reads them in order.
+    On several ranks: gather_into_views, unless the parameters need what only DeepSpeed's gather does."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     params = self.persistent_parameters
     if not params:
         return
     if not self._dstrain_one_rank:
-        params[0].all_gather_coalesced(params).wait()
+        plan = _gather_plan(self)
+        if plan is None:
+            params[0].all_gather_coalesced(params).wait()
+        else:
+            gather_into_views(*plan)
         return
     for param in params:
         if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
             raise RuntimeError(f"{param.ds_summary()} expected to be released")
         param.data = param.ds_tensor.data.view(param.ds_shape)
+        param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def _gather_plan(self):
+    """(parameters in ds_id order, their partition group, its size) for gather_into_views, made once per
+    list of persistent parameters; None where DeepSpeed's gather runs: with DSTRAIN_ZERO3_GATHER=off, or
+    for parameters in several partition groups, of several dtypes, or with a communication dtype of
+    their own (torch autocast)."""
+    import torch
+    from deepspeed import comm as dist
+    from deepspeed.runtime.torch_autocast import has_comm_dtype
+
+    if not getattr(self, "_dstrain_lean_gather", True):  # DSTRAIN_ZERO3_GATHER=off
+        return None
+    cached = getattr(self, "_dstrain_gather_plan", None)
+    if cached is not None and cached[0] is self.persistent_parameters:
+        return cached[1]
+    params = sorted(self.persistent_parameters, key=lambda p: p.ds_id)  # the same order on every rank
+    groups = {id(self._get_param_partition_group(p)) for p in params}
+    dtypes = {p.ds_tensor.dtype for p in params}
+    plan = None
+    if (len(groups) == 1 and len(dtypes) == 1 and not any(has_comm_dtype(p) for p in params)
+            and hasattr(torch, "split_with_sizes_copy")):
+        group = self._get_param_partition_group(params[0])
+        plan = (params, group, dist.get_world_size(group=group))
+    self._dstrain_gather_plan = (self.persistent_parameters, plan)
+    return plan
+
+
+def gather_into_views(params, group, world: int) -> None:
+    """Gather released parameters whole from their partitions, all in one all-gather, as FSDP2 gathers
+    its parameters: every rank's partitions side by side into one flat buffer, then one copy that
+    regroups them by parameter into a second buffer, whose slices become the parameters' data.
+    DeepSpeed's coalesced gather makes the same single collective but regroups each parameter alone, in
+    about forty Python calls a parameter (narrows, a cat, the device and profiler lookups around them):
+    on two CPU ranks, 8,800 of the step's 14,300 calls (benchmarks/zero_host_calls.py), host work that a
+    host-bound GPU step waits for."""
+    import torch
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for param in params:
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"{param.ds_summary()} expected to be released")
+    partitions = [param.ds_tensor for param in params]  # each rank's share, padded to the same size
+    sizes = [partition.numel() for partition in partitions]
+    sent = torch.cat(partitions)
+    gathered = torch.empty(world * sent.numel(), dtype=sent.dtype, device=sent.device)
+    dist.all_gather_into_tensor(gathered, sent, group=group)
+    whole = torch.empty_like(gathered)  # parameter after parameter, each its ranks' shares in rank order
+    chunks = torch.split(whole, [world * size for size in sizes])
+    torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1,
+                                out=[chunk.view(world, size) for chunk, size in zip(chunks, sizes)])
+    for param, chunk in zip(params, chunks):
+        param.data = chunk[:param.ds_numel].view(param.ds_shape)  # without the last share's padding
         param.ds_status = ZeroParamStatus.AVAILABLE
 
 
