@@ -15,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -630,3 +631,23 @@ def test_deepspeed_cpu_allreduce_buffers_of_the_jobs_port_are_removed_before_it_
     finally:
         for path in stale + [other]:
             path.unlink(missing_ok=True)
+
+
+def test_a_rank_ends_as_pythons_exit_would_without_the_interpreters_teardown():
+    """exit_without_teardown (the worker's exit; a gloo thread freeing a collective's tensors during the
+    teardown aborted ranks): it still waits for a non-daemon thread, stops a thread pool's idle
+    worker (else the join would hang), runs the atexit handlers, flushes the output, and exits with
+    the rank's code."""
+    code = textwrap.dedent("""
+        import atexit, concurrent.futures, sys, threading, time
+        from dstrain.rank.runtime import exit_without_teardown
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        pool.submit(lambda: None).result()
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+        atexit.register(lambda: print("atexit handler ran"))
+        sys.stdout.write("unflushed line")
+        exit_without_teardown(3)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert result.stdout.splitlines() == ["unflushed linethread finished", "atexit handler ran"]

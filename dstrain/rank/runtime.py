@@ -71,10 +71,11 @@ def exit_without_teardown(code: int) -> None:
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # what the exit would run next: DeepSpeed's, the trackers', logging's flush
+    # What the interpreter's exit runs before its teardown, in its order: threading's exit callbacks
+    # (which tell thread pools' idle workers to stop) and the join of other non-daemon threads, then
+    # the atexit handlers (DeepSpeed's, the trackers', logging's flush).
+    threading._shutdown()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
