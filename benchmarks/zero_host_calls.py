@@ -69,6 +69,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="profiled steps, after 10 unprofiled ones")
     p.add_argument("--lean-bucket", action="store_true")
     p.add_argument("--top", type=int, default=0, help="list the N functions called most in each phase")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dstrain override, e.g. deepspeed.zero_optimization.stage3_param_persistence_threshold=640 "
+                        "(blocks partitioned, as dstrain renders stage3 over 1B parameters on several GPUs)")
     args = p.parse_args()
 
     warnings.filterwarnings("ignore")
@@ -89,7 +92,7 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     width, vocab, seq, micro = args.d_model, 512, 64, 2
-    sets = [f"train.micro_batch_size={micro}", f"model.d_model={width}", f"model.n_layer={args.n_layer}"]
+    sets = [f"train.micro_batch_size={micro}", f"model.d_model={width}", f"model.n_layer={args.n_layer}", *args.set]
     # the JSON dstrain renders for WORLD GPUs (blocks whole and fetched as one under ZeRO-3), on CPU ranks
     ds = resolve(args.preset, None, sets, world_size=world, accelerator="cuda", env={}).ds_config
     ds.pop("scheduler", None)
