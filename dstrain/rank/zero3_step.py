@@ -152,7 +152,8 @@ def gather_persistent_parameters(self) -> None:
 
 
 def _gather_plan(self):
-    """(parameters in ds_id order, their partition group, its size) for gather_into_views, made once per
+    """(parameters in ds_id order, their partition group, its size, this rank's index in it) for
+    gather_into_views, made once per
     list of persistent parameters; None where DeepSpeed's gather runs: with DSTRAIN_ZERO3_GATHER=off, or
     for parameters in several partition groups, of several dtypes, or with a communication dtype of
     their own (torch autocast)."""
@@ -172,15 +173,16 @@ def _gather_plan(self):
     if (len(groups) == 1 and len(dtypes) == 1 and not any(has_comm_dtype(p) for p in params)
             and hasattr(torch, "split_with_sizes_copy")):
         group = self._get_param_partition_group(params[0])
-        plan = (params, group, dist.get_world_size(group=group))
+        plan = (params, group, dist.get_world_size(group=group), dist.get_rank(group=group))
     self._dstrain_gather_plan = (self.persistent_parameters, plan)
     return plan
 
 
-def gather_into_views(params, group, world: int) -> None:
+def gather_into_views(params, group, world: int, rank: int) -> None:
     """Gather released parameters whole from their partitions, all in one all-gather, as FSDP2 gathers
-    its parameters: every rank's partitions side by side into one flat buffer, then one copy that
-    regroups them by parameter into a second buffer, whose slices become the parameters' data.
+    its parameters: every rank's partitions side by side into one flat buffer (this rank's copied into
+    its own place, gathered in place as DeepSpeed does), then one copy that regroups them by parameter
+    into a second buffer, whose slices become the parameters' data.
     DeepSpeed's coalesced gather makes the same single collective but regroups each parameter alone, in
     about forty Python calls a parameter (narrows, a cat, the device and profiler lookups around them):
     on two CPU ranks, 8,800 of the step's 14,300 calls (benchmarks/zero_host_calls.py), host work that a
@@ -194,9 +196,10 @@ def gather_into_views(params, group, world: int) -> None:
             raise RuntimeError(f"{param.ds_summary()} expected to be released")
     partitions = [param.ds_tensor for param in params]  # each rank's share, padded to the same size
     sizes = [partition.numel() for partition in partitions]
-    sent = torch.cat(partitions)
-    gathered = torch.empty(world * sent.numel(), dtype=sent.dtype, device=sent.device)
-    dist.all_gather_into_tensor(gathered, sent, group=group)
+    share = sum(sizes)
+    gathered = torch.empty(world * share, dtype=partitions[0].dtype, device=partitions[0].device)
+    mine = torch.cat(partitions, out=gathered.narrow(0, rank * share, share))
+    dist.all_gather_into_tensor(gathered, mine, group=group)
     whole = torch.empty_like(gathered)  # parameter after parameter, each its ranks' shares in rank order
     chunks = torch.split(whole, [world * size for size in sizes])
     torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1,
