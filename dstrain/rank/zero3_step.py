@@ -140,23 +140,30 @@ def gather_persistent_parameters(self) -> None:
     if not self._dstrain_one_rank:
         plan = _gather_plan(self)
         if plan is None:
-            params[0].all_gather_coalesced(params).wait()
+            params[0].all_gather_coalesced(params).wait()  # checks the statuses itself
         else:
+            _expect_released(params)
             gather_into_views(*plan)
         return
+    _expect_released(params)
     for param in params:
-        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-            raise RuntimeError(f"{param.ds_summary()} expected to be released")
         param.data = param.ds_tensor.data.view(param.ds_shape)
         param.ds_status = ZeroParamStatus.AVAILABLE
 
 
+def _expect_released(params) -> None:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for param in params:
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"{param.ds_summary()} expected to be released")
+
+
 def _gather_plan(self):
     """(parameters in ds_id order, their partition group, its size, this rank's index in it) for
-    gather_into_views, made once per
-    list of persistent parameters; None where DeepSpeed's gather runs: with DSTRAIN_ZERO3_GATHER=off, or
-    for parameters in several partition groups, of several dtypes, or with a communication dtype of
-    their own (torch autocast)."""
+    gather_into_views, made once per list of persistent parameters; None where DeepSpeed's gather runs:
+    with DSTRAIN_ZERO3_GATHER=off, or for parameters in several partition groups, of several dtypes, or
+    with a communication dtype of their own (torch autocast)."""
     import torch
     from deepspeed import comm as dist
     from deepspeed.runtime.torch_autocast import has_comm_dtype
@@ -179,21 +186,18 @@ def _gather_plan(self):
 
 
 def gather_into_views(params, group, world: int, rank: int) -> None:
-    """Gather released parameters whole from their partitions, all in one all-gather, as FSDP2 gathers
+    """Gather released parameters (gather_persistent_parameters checked) whole from their partitions, all in one all-gather, as FSDP2 gathers
     its parameters: every rank's partitions side by side into one flat buffer (this rank's copied into
     its own place, gathered in place as DeepSpeed does), then one copy that regroups them by parameter
     into a second buffer, whose slices become the parameters' data.
     DeepSpeed's coalesced gather makes the same single collective but regroups each parameter alone, in
-    about forty Python calls a parameter (narrows, a cat, the device and profiler lookups around them):
+    about 45 Python calls a parameter (narrows, a cat, the device and profiler lookups around them):
     on two CPU ranks, 8,800 of the step's 14,300 calls (benchmarks/zero_host_calls.py), host work that a
     host-bound GPU step waits for."""
     import torch
     from deepspeed import comm as dist
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    for param in params:
-        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-            raise RuntimeError(f"{param.ds_summary()} expected to be released")
     partitions = [param.ds_tensor for param in params]  # each rank's share, padded to the same size
     sizes = [partition.numel() for partition in partitions]
     share = sum(sizes)
