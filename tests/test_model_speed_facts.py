@@ -55,14 +55,16 @@ def test_a_user_leaf_setting_and_other_stages_are_left_alone():
 
 GPT_406M = ["model.n_layer=24", "model.d_model=1024", "model.n_head=16", "model.vocab_size=100352", "data.seq_len=1024"]
 GPT_1_3B = ["model.n_layer=24", "model.d_model=2048", "model.n_head=16", "model.vocab_size=50304", "data.seq_len=1024"]
+GPT_3_3B = ["model.n_layer=40", "model.d_model=2560", "model.n_head=20", "model.vocab_size=50304", "data.seq_len=2048"]
 ZERO = "deepspeed.zero_optimization"
 
 
-def test_stage3_keeps_a_small_gpts_blocks_whole_on_gpus():
-    resolved = resolve("stage3", None, GPT_406M, world_size=2, accelerator="cuda", env={})
+@pytest.mark.parametrize("shape, d_model", [(GPT_406M, 1024), (GPT_1_3B, 2048)])
+def test_stage3_keeps_a_small_gpts_blocks_whole_on_gpus(shape, d_model):
+    resolved = resolve("stage3", None, shape, world_size=2, accelerator="cuda", env={})
     zero = resolved.ds_config["zero_optimization"]
-    # the MLP's 4d x d weight is a block's largest: every block persists, the 100352 x 1024 embedding not
-    assert zero["stage3_param_persistence_threshold"] == 4 * 1024 * 1024
+    # the MLP's 4d x d weight is a block's largest: every block persists, the token embedding not
+    assert zero["stage3_param_persistence_threshold"] == 4 * d_model * d_model
     assert zero["memory_efficient_linear"] is False
     assert resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"].startswith("dstrain default")
 
@@ -74,7 +76,7 @@ def test_eager_stage3_on_one_gpu_keeps_blocks_whole_at_any_size():  # one rank's
 
 
 @pytest.mark.parametrize("preset, sets, accelerator, threshold, linear", [
-    ("stage3", GPT_1_3B, "cuda", 100000, None),  # above 1B parameters on two GPUs: the shards are what stage 3 is for
+    ("stage3", GPT_3_3B, "cuda", 100000, None),  # above 3B parameters on two GPUs: the shards are what stage 3 is for
     ("stage3", GPT_406M, "cpu", 100000, None),  # measured on GPUs only
     ("stage3_offload", GPT_406M, "cuda", 100000, None),  # with offload: not measured
     ("stage3", GPT_406M + [f"{ZERO}.stage3_param_persistence_threshold=200000"], "cuda", 200000, None),  # the user's

@@ -17,9 +17,10 @@ from dstrain.errors import Problem
 # The built-in GPT's transformer block (dstrain.models.gpt.Block), named here without importing torch.
 GPT_ZERO3_LEAF = "dstrain.models.gpt.Block"
 
-# The built-in GPT's size up to which ZeRO-3 keeps every block whole on every rank: its 16-bit weights
-# then cost at most 2 GB a GPU more than their shard (docs/benchmarks.md, finding 30).
-SMALL_GPT_PARAMS = 1_000_000_000
+# The built-in GPT's size up to which ZeRO-3 keeps every block whole on several ranks: its 16-bit
+# weights then cost at most 6 GB a GPU more than their shard. Measured faster on two GPUs at 406M,
+# 1.3B and 2.65B (docs/benchmarks.md, findings 30 and 44); past 3B the shards are what stage 3 is for.
+SMALL_GPT_PARAMS = 3_000_000_000
 
 ZERO = "deepspeed.zero_optimization"
 
@@ -92,9 +93,11 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
     to not hold a gathered weight, which a persistent one is anyway) took dstrain's stage3 on the 406M GPT
     from 0.48 to 0.61 of torch on one H100 (medians of three pairs) and the hand loop 1.12x on two H200s
     (docs/benchmarks.md, finding 30). Gradients and optimizer states stay sharded; every GPU holds the
-    blocks' 16-bit weights whole. Only where the user set none of the keys, on GPUs, without offload
-    (not measured there), under 1B parameters (at 1.3B two GPUs were not measured), or at any size on
-    one GPU, where one rank's shard is the whole model anyway (1.3B: 1.07-1.09x, the same peak memory)."""
+    blocks' 16-bit weights whole. On two H200s whole blocks took stage3 from 0.83 to 1.09-1.11 of DDP
+    at 1.3B and from 0.96-1.01 to 1.09 at 2.65B, for 0.6 and 2.9 GiB more peak memory (finding 44).
+    Only where the user set none of the keys, on GPUs, without offload (not measured there), up to 3B
+    parameters on several GPUs, or at any size on one GPU, where one rank's shard is the whole model
+    anyway (1.3B: 1.07-1.09x, the same peak memory)."""
     if not (config.model.name == "gpt" and accelerator == "cuda" and _zero3_without_offload(zero)):
         return
     keys = ("stage3_param_persistence_threshold", "memory_efficient_linear", "stage3_model_persistence_threshold")
