@@ -14,7 +14,8 @@ import pytest
 from rich.console import Console
 
 from dstrain.tools import doctor
-from dstrain.launcher.env_fixes import bytecode_cache_dir, sanitize_cuda_arch_list, stale_extension_locks
+from dstrain.launcher.env_fixes import (bytecode_cache_dir, sanitize_cuda_arch_list, separate_cpu_op_builds,
+                                        stale_extension_locks)
 
 ARCH = "TORCH_CUDA_ARCH_LIST"
 
@@ -50,6 +51,17 @@ def test_sanitize_without_the_variable_returns_an_equal_copy():
     fixed, note = sanitize_cuda_arch_list(env)
     assert (fixed, note) == (env, None)
     assert fixed is not env
+
+
+def test_cpu_ranks_on_a_gpu_host_build_their_ops_apart_from_the_gpus_builds(tmp_path):
+    # DeepSpeed's CPU and CUDA fused_adam share a name, and torch caches a JIT build by name.
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    folder = separate_cpu_op_builds(env, "cpu", gpus=2)
+    assert folder == env["TORCH_EXTENSIONS_DIR"]
+    assert Path(folder).parent == tmp_path / "torch_extensions" and "cpu" in Path(folder).name
+    for accelerator, gpus, given in (("cuda", 2, {}), ("cpu", 0, {}), ("cpu", 2, {"TORCH_EXTENSIONS_DIR": "/mine"})):
+        unchanged = dict(given)
+        assert separate_cpu_op_builds(unchanged, accelerator, gpus) is None and unchanged == given
 
 
 def test_env_fixes_and_doctor_import_without_torch():

@@ -75,6 +75,21 @@ def torch_extensions_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(cache) / "torch_extensions"
 
 
+def separate_cpu_op_builds(env: dict[str, str], accelerator: str, gpus: int) -> str | None:
+    """On a host with GPUs, point CPU-accelerator ranks at their own JIT build folder.
+
+    DeepSpeed names an op's CPU and CUDA builds alike (fused_adam), and torch caches a build by that
+    name alone, so a CPU rank on a GPU host loaded the CUDA fused_adam a GPU run had built and failed
+    at its first step ("expected input to be on cuda"). A TORCH_EXTENSIONS_DIR the user set is kept.
+    Returns the folder chosen, or None.
+    """
+    if accelerator != "cpu" or gpus == 0 or env.get("TORCH_EXTENSIONS_DIR"):
+        return None
+    folder = torch_extensions_dir(env) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu_accelerator"
+    env["TORCH_EXTENSIONS_DIR"] = str(folder)
+    return str(folder)
+
+
 def stale_extension_locks(ext_dir: Path | None = None, older_than_s: float = 600) -> list[Path]:
     """`lock` files under the torch extensions dir that no running build holds.
 
