@@ -55,11 +55,12 @@ def test_a_user_leaf_setting_and_other_stages_are_left_alone():
 
 GPT_406M = ["model.n_layer=24", "model.d_model=1024", "model.n_head=16", "model.vocab_size=100352", "data.seq_len=1024"]
 GPT_1_3B = ["model.n_layer=24", "model.d_model=2048", "model.n_head=16", "model.vocab_size=50304", "data.seq_len=1024"]
+GPT_2_65B = ["model.n_layer=32", "model.d_model=2560", "model.n_head=20", "model.vocab_size=50304", "data.seq_len=2048"]
 GPT_3_3B = ["model.n_layer=40", "model.d_model=2560", "model.n_head=20", "model.vocab_size=50304", "data.seq_len=2048"]
 ZERO = "deepspeed.zero_optimization"
 
 
-@pytest.mark.parametrize("shape, d_model", [(GPT_406M, 1024), (GPT_1_3B, 2048)])
+@pytest.mark.parametrize("shape, d_model", [(GPT_406M, 1024), (GPT_1_3B, 2048), (GPT_2_65B, 2560)])
 def test_stage3_keeps_a_small_gpts_blocks_whole_on_gpus(shape, d_model):
     resolved = resolve("stage3", None, shape, world_size=2, accelerator="cuda", env={})
     zero = resolved.ds_config["zero_optimization"]
