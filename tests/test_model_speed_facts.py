@@ -60,14 +60,16 @@ GPT_3_3B = ["model.n_layer=40", "model.d_model=2560", "model.n_head=20", "model.
 ZERO = "deepspeed.zero_optimization"
 
 
-@pytest.mark.parametrize("shape, d_model", [(GPT_406M, 1024), (GPT_1_3B, 2048), (GPT_2_65B, 2560)])
-def test_stage3_keeps_a_small_gpts_blocks_whole_on_gpus(shape, d_model):
+@pytest.mark.parametrize("shape, n_layer, d_model", [(GPT_406M, 24, 1024), (GPT_1_3B, 24, 2048), (GPT_2_65B, 32, 2560)])
+def test_stage3_keeps_a_small_gpts_blocks_whole_on_gpus(shape, n_layer, d_model):
     resolved = resolve("stage3", None, shape, world_size=2, accelerator="cuda", env={})
     zero = resolved.ds_config["zero_optimization"]
     # the MLP's 4d x d weight is a block's largest: every block persists, the token embedding not
     assert zero["stage3_param_persistence_threshold"] == 4 * d_model * d_model
     assert zero["memory_efficient_linear"] is False
-    assert resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"].startswith("dstrain default")
+    note = resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"]
+    whole_gib = 2 * n_layer * 12 * d_model ** 2 / 2**30  # the blocks' bf16 weights
+    assert note.startswith("dstrain default") and f"({whole_gib:.1f} GiB of weights a GPU" in note  # what it costs
 
 
 def test_eager_stage3_on_one_gpu_keeps_blocks_whole_at_any_size():  # one rank's shard is the whole model
