@@ -93,7 +93,7 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
     to not hold a gathered weight, which a persistent one is anyway) took dstrain's stage3 on the 406M GPT
     from 0.48 to 0.61 of torch on one H100 (medians of three pairs) and the hand loop 1.12x on two H200s
     (docs/benchmarks.md, finding 30). Gradients and optimizer states stay sharded; every GPU holds the
-    blocks' 16-bit weights whole. On two H200s whole blocks took stage3 from 0.83 to 1.09-1.11 of DDP
+    blocks' 16-bit weights whole. On two H200s whole blocks took stage3 from 0.82-1.03 to 1.09-1.11 of DDP
     at 1.3B and from 0.96-1.01 to 1.09 at 2.65B, for 0.6 and 2.9 GiB more peak memory (finding 44).
     Only where the user set none of the keys, on GPUs, without offload (not measured there), up to 3B
     parameters on several GPUs, or at any size on one GPU, where one rank's shard is the whole model
