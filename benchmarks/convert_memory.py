@@ -67,9 +67,8 @@ def train_and_save(num_params: float, save_dir: str) -> None:
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(save_dir)
-    from dstrain.rank.runtime import close_process_groups, exit_without_teardown
-    close_process_groups()  # and end as dstrain's ranks end (dstrain/rank/runtime.py says why)
-    exit_without_teardown(0)
+    from dstrain.rank.runtime import end_rank
+    end_rank()  # as dstrain's ranks end (dstrain/rank/runtime.py says why)
 
 
 class PeakSampler:

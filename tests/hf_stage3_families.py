@@ -20,7 +20,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from dstrain.config.schema import RunConfig  # noqa: E402
 from dstrain.models import hf  # noqa: E402
-from dstrain.rank.runtime import close_process_groups, exit_without_teardown  # noqa: E402
+from dstrain.rank.runtime import end_rank  # noqa: E402
 from dstrain.tools.convert.hf_folder import folder_from_weights  # noqa: E402
 
 SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -61,5 +61,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    close_process_groups()  # and end as dstrain's ranks end: the test reads the exit code
-    exit_without_teardown(0)
+    end_rank()  # as dstrain's ranks end: the test reads the exit code

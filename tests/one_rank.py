@@ -54,15 +54,21 @@ TINY_MLP = """
 """  # indented as the scripts are: run_one_rank dedents the whole
 
 
+def rank_env(accelerator: str, extra: dict | None = None) -> dict:
+    """This process's environment for a rank on `accelerator`, with `extra` added; on a GPU host a CPU
+    rank builds its ops apart from the GPUs' builds, as dstrain's ranks do."""
+    from dstrain.hardware import cuda_gpu_count
+    from dstrain.launcher.env_fixes import separate_cpu_op_builds
+    env = {**os.environ, **(extra or {}), "DS_ACCELERATOR": accelerator}
+    separate_cpu_op_builds(env, accelerator, cuda_gpu_count())
+    return env
+
+
 def run_one_rank(script: str, timeout: float = 600, accelerator: str = "cpu", env: dict | None = None):
     """Run ONE_RANK_PREAMBLE + `script` on DeepSpeed's CPU accelerator (gloo) or on GPU 0 (cuda, nccl),
     with `env` added to the environment; the value it passed to result()."""
-    from dstrain.hardware import cuda_gpu_count
-    from dstrain.launcher.env_fixes import separate_cpu_op_builds
-    env = {**os.environ, **(env or {}), "DS_ACCELERATOR": accelerator}
-    separate_cpu_op_builds(env, accelerator, cuda_gpu_count())  # as dstrain's ranks get it on a GPU host
     done = subprocess.run([sys.executable, "-c", ONE_RANK_PREAMBLE + textwrap.dedent(script)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=timeout, env=rank_env(accelerator, env))
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(line[len("RESULT "):])

@@ -16,8 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from dstrain.launcher.env_fixes import separate_cpu_op_builds
-from one_rank import ONE_RANK_PREAMBLE, TINY_MLP, run_one_rank
+from one_rank import ONE_RANK_PREAMBLE, TINY_MLP, rank_env, run_one_rank
 
 pytestmark = pytest.mark.integration
 
@@ -203,8 +202,7 @@ def test_lean_zero3_step_trains_as_deepspeeds_step_on_two_ranks(accelerator):
     preamble = preamble.replace("torch.cuda.set_device(0)", 'torch.cuda.set_device(int(os.environ["TEST_RANK"]))')
     assert preamble.count("TEST_RANK") == 3 and "TEST_PORT" in preamble
     code = preamble + textwrap.dedent(f"    CASES = {CASES[:1] + CASES[2:3]!r}\n" + SCRIPT)
-    env = {**os.environ, "DS_ACCELERATOR": accelerator, "TEST_PORT": str(port)}
-    separate_cpu_op_builds(env, accelerator, torch.cuda.device_count())  # as dstrain's ranks get it
+    env = rank_env(accelerator, {"TEST_PORT": str(port)})
     ranks = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**env, "TEST_RANK": str(rank)})
              for rank in (0, 1)]

@@ -109,14 +109,17 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
         return
     zero["stage3_param_persistence_threshold"] = 4 * m.d_model ** 2  # a block's largest weight (the MLP's)
     zero["memory_efficient_linear"] = False
-    # fp32 weights under autocast or fp32 training, else 16-bit ones
-    width = 4 if config.train.precision == "fp32" or config.train.mixed_precision == "autocast" else 2
-    whole_gib = width * m.n_layer * 12 * m.d_model ** 2 / 2**30
     notes[f"{ZERO}.stage3_param_persistence_threshold"] = (
         "dstrain default on one GPU: each block stays whole" if world == 1 else
         f"dstrain default for a built-in GPT under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each block stays whole "
-        f"on every rank ({whole_gib:.1f} GiB of weights a GPU; set 100000 to shard them, as DeepSpeed would)")
+        f"on every rank ({_blocks_gib(config):.1f} GiB of weights a GPU; set 100000 to shard them, as DeepSpeed would)")
     notes[f"{ZERO}.memory_efficient_linear"] = "dstrain default with blocks kept whole"
+
+
+def _blocks_gib(config: RunConfig) -> float:
+    """The built-in GPT's blocks' weights in GiB: fp32 under autocast or fp32 training, else 16-bit."""
+    width = 4 if config.train.precision == "fp32" or config.train.mixed_precision == "autocast" else 2
+    return width * config.model.n_layer * 12 * config.model.d_model ** 2 / 2**30
 
 
 def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, notes: dict[str, str]) -> None:

@@ -81,6 +81,13 @@ def exit_without_teardown(code: int) -> None:
     os._exit(code)
 
 
+def end_rank(code: int = 0) -> None:
+    """End a process whose collectives are all over, as dstrain's ranks end (for scripts that start
+    ranks of their own: test fixtures, benchmarks): process groups closed, no interpreter teardown."""
+    close_process_groups()
+    exit_without_teardown(code)
+
+
 def quiet_logging(verbose: bool) -> None:
     """DeepSpeed's own logging at warning level unless --verbose; known-harmless warnings hidden."""
     if verbose:

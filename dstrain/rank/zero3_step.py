@@ -186,8 +186,8 @@ def _gather_plan(self):
 
 
 def gather_into_views(params, group, world: int, rank: int) -> None:
-    """Gather released parameters (gather_persistent_parameters checked) whole from their partitions, all in one all-gather, as FSDP2 gathers
-    its parameters: every rank's partitions side by side into one flat buffer (this rank's copied into
+    """Gather released parameters (gather_persistent_parameters checked) whole from their partitions,
+    all in one all-gather, as FSDP2 gathers its parameters: every rank's partitions side by side into one flat buffer (this rank's copied into
     its own place, gathered in place as DeepSpeed does), then one copy that regroups them by parameter
     into a second buffer, whose slices become the parameters' data.
     DeepSpeed's coalesced gather makes the same single collective but regroups each parameter alone, in

@@ -15,8 +15,9 @@ import argparse
 
 import deepspeed
 import torch
-from train_tiny import TinyLM, build_config, end_rank, param_groups  # same directory: on sys.path
+from train_tiny import TinyLM, build_config, param_groups  # same directory: on sys.path
 from deepspeed.utils import safe_get_full_fp32_param
+from dstrain.rank.runtime import end_rank
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import argparse
 import deepspeed
 import torch
 from deepspeed.utils import safe_get_full_fp32_param
-from dstrain.rank.runtime import close_process_groups, exit_without_teardown
+from dstrain.rank.runtime import end_rank
 from torch import nn
 
 VOCAB = 37
@@ -116,14 +116,6 @@ def train_and_save(stage: int, dtype: str, save_dir: str, reference: str, steps:
     engine.destroy()
 
 
-def end_rank() -> None:
-    """End the rank as dstrain's ranks end: close the process groups, leave without the interpreter's
-    teardown. Left to the teardown, about one two-rank launch of this script in ten aborted after all
-    its work was written (see dstrain.rank.runtime.exit_without_teardown)."""
-    close_process_groups()
-    exit_without_teardown(0)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -141,6 +133,8 @@ def main() -> None:
     for run in args.run:
         stage, dtype, save_dir, reference = run.split(":", 3)
         train_and_save(int(stage), dtype, save_dir, reference, args.steps)
+    # Left to the interpreter's teardown, about one two-rank launch of this script in ten aborted after
+    # all its work was written (dstrain.rank.runtime.exit_without_teardown says why).
     end_rank()
 
 
