@@ -1,8 +1,9 @@
 """How fast this host runs the CPU-offload optimizer update, without a model: its memory bandwidth
 (a stream copy and add over 1 GiB tensors) against dstrain's Adam update from bf16 gradients (the
 offload presets' step, dstrain/rank/cpu_adam_nogil.cpp) over an N-element partition in 8M-element
-chunks, alone and with each chunk's fp32 weights sent to the GPU, rounded there and the bf16 values
-sent back into a pinned host partition (what the ZeRO-3 offload step does). Prints a table.
+chunks, alone, with the new weights rounded to bf16 in the same pass (the ZeRO-3 offload step with
+parameter offload), and with each chunk's fp32 weights sent to the GPU, rounded there and the bf16
+values sent back into a pinned host partition (that step before host rounding). Prints a table.
 
     python3 benchmarks/host_adam.py --elements 405899264 --threads 15
 """
@@ -62,10 +63,10 @@ def main() -> None:
     host_bf16 = pin(torch.empty(n, dtype=torch.bfloat16))
     step = [0]
 
-    def update(start, end, factor=0.5):
+    def update(start, end, factor=0.5, rounded=None):
         op.adam_update_bf16_grads(adam.opt_id, step[0], 1e-4, 0.9, 0.95, 1e-8, 0.1, True, master.data[start:end],
                                   grads[start:end], state["exp_avg"][start:end], state["exp_avg_sq"][start:end],
-                                  factor, 1 << 15)
+                                  factor, 1 << 15, rounded)
 
     def adam_alone():
         step[0] += 1
@@ -75,6 +76,15 @@ def main() -> None:
     ms = best_ms(adam_alone, args.repeats)
     # bytes the update moves: weights and both moments read and written (24), the bf16 gradient read (2)
     rows.append((f"Adam from bf16 grads, {n / 1e6:.0f}M", ms, 26 * n / ms / 1e6))
+
+    def adam_rounding_in_its_pass():  # what the ZeRO-3 step does with parameter offload (host rounding)
+        step[0] += 1
+        for start in range(0, n, CHUNK):
+            end = min(start + CHUNK, n)
+            update(start, end, rounded=host_bf16[start:end])
+
+    ms = best_ms(adam_rounding_in_its_pass, args.repeats)
+    rows.append(("  + bf16 rounding in the same pass, into host memory", ms, 28 * n / ms / 1e6))
     if cuda:
         staging32 = torch.empty(CHUNK, device="cuda")
         staging16 = torch.empty(CHUNK, dtype=torch.bfloat16, device="cuda")

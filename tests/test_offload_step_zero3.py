@@ -35,6 +35,10 @@ SCRIPT = TINY_MLP + """
             time.sleep(0.003)
             return self.op.adam_update_bf16_grads(*args)
 
+        def adam_update_and_round(self, *args):
+            time.sleep(0.003)
+            return self.op.adam_update_and_round(*args)
+
         def __getattr__(self, name):
             return getattr(self.op, name)
 
@@ -57,9 +61,9 @@ SCRIPT = TINY_MLP + """
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         # chunks of 1,024: each sub-group in several, the last one short
         applied = None
-        if variant != "deepspeed":
-            applied = [chunk_zero3_offload_step(engine, 1024), direct_zero3_offload_grads(engine),
-                       bf16_zero3_offload_grads(engine)]
+        if variant != "deepspeed":  # gpu_rounding: the bf16 rounding off the Adam pass, on the GPU if any
+            applied = [chunk_zero3_offload_step(engine, 1024, host_rounding=variant != "gpu_rounding"),
+                       direct_zero3_offload_grads(engine), bf16_zero3_offload_grads(engine)]
         if variant == "overlap":
             applied.append(overlap_zero3_offload_step(engine))
             engine.optimizer._dstrain_overlap.adam_op = SlowAdam(engine.optimizer._dstrain_overlap.adam_op)
@@ -76,6 +80,7 @@ SCRIPT = TINY_MLP + """
                 # DeepSpeed's host copy of the gradient partitions: the direct copy leaves it unwritten
                 "host_buffer_written": bool(optimizer.grad_partitions_flat_buffer.abs().sum() > 0),
                 "pinned": all(m.is_pinned() for m in optimizer.fp32_partitioned_groups_flat),
+                "rounded_by_adam": getattr(optimizer, "_dstrain_round_op", None) is not None,
                 "persistent": len(optimizer.persistent_parameters),
                 "overlapped_steps": overlap.steps if overlap else None, "waits": overlap.waits if overlap else None}
 
@@ -84,7 +89,7 @@ SCRIPT = TINY_MLP + """
         key = f"{precision}-{accum}-clip{clip}" + ("-offload_param" if offload_param else "") + (
             "-overflow" if overflow_at is not None else "") + (f"-accum_{accum_dtype}" if accum_dtype else "")
         out[key] = {name: train(precision, accum, clip, offload_param, name, overflow_at, accum_dtype)
-                    for name in ("deepspeed", VARIANT)}
+                    for name in ("deepspeed",) + VARIANTS}
     result(out)
 """
 
@@ -96,8 +101,8 @@ CPU_CASES = (("bf16", 1, 0.05, True, None, None), ("fp32", 2, 0.05, True, None, 
              ("bf16", 1, 0.05, True, None, "fp32"))
 
 
-def _script(cases, variant: str = "dstrain", persist: int = 0) -> str:
-    return f"    CASES = {cases!r}\n    VARIANT = {variant!r}\n    PERSIST = {persist!r}\n" + SCRIPT
+def _script(cases, variants: tuple = ("dstrain",), persist: int = 0) -> str:
+    return f"    CASES = {cases!r}\n    VARIANTS = {variants!r}\n    PERSIST = {persist!r}\n" + SCRIPT
 
 
 def _assert_bit_identical(out: dict, on_gpu: bool, variant: str = "dstrain") -> None:
@@ -107,7 +112,11 @@ def _assert_bit_identical(out: dict, on_gpu: bool, variant: str = "dstrain") -> 
         assert ours["applied"] == [True, True, in_bf16] + ([True] if variant == "overlap" else []), key
         assert theirs["applied"] is None, key
         assert ours["sub_groups"] == 2, key
-        assert ours["pinned"] is on_gpu, key  # pinned masters: their chunks are rounded on the GPU
+        # The Adam pass rounds the weights where every bf16 partition is in host memory: on a CPU rank,
+        # and with parameter offload on a GPU; elsewhere pinned masters go to the GPU to be rounded there.
+        on_host = key.startswith("bf16") and (not on_gpu or key.find("offload_param") > 0)
+        assert ours["rounded_by_adam"] is (on_host and variant != "gpu_rounding"), key
+        assert ours["pinned"] is (on_gpu and not ours["rounded_by_adam"]), key
         assert len(ours["norms"]) >= 4 and ours["norms"] == theirs["norms"], key
         assert min(n for n in theirs["norms"] if n != float("inf")) > 0.05, key
         assert ours["masters"] == theirs["masters"], key
@@ -120,7 +129,11 @@ def _assert_bit_identical(out: dict, on_gpu: bool, variant: str = "dstrain") -> 
 
 
 def test_zero3_offload_step_in_chunks_and_direct_grads_are_bit_identical_to_deepspeeds():
-    _assert_bit_identical(run_one_rank(_script(CPU_CASES)), on_gpu=False)
+    """The new weights rounded to bf16 by dstrain's Adam op in its pass, from bf16 gradients and (fp32
+    accumulation) fp32 ones, with and without clipping; and, switched off, in a pass of their own."""
+    out = run_one_rank(_script(CPU_CASES, ("dstrain", "gpu_rounding")))
+    _assert_bit_identical(out, on_gpu=False)
+    _assert_bit_identical(out, on_gpu=False, variant="gpu_rounding")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the chunked step rounds to bf16 there")
@@ -129,7 +142,9 @@ def test_zero3_offload_step_on_a_gpu_is_bit_identical_to_deepspeeds_step():
     (parameter offload) or stay in the GPU partition (optimizer offload alone)."""
     cases = (("bf16", 1, 0.05, True, None, None), ("bf16", 2, 0.05, True, None, None),
              ("bf16", 1, 100.0, False, None, None), ("bf16", 1, 0.05, True, None, "fp32"))
-    _assert_bit_identical(run_one_rank(_script(cases), accelerator="cuda"), on_gpu=True)
+    out = run_one_rank(_script(cases, ("dstrain", "gpu_rounding")), accelerator="cuda")
+    _assert_bit_identical(out, on_gpu=True)
+    _assert_bit_identical(out, on_gpu=True, variant="gpu_rounding")
 
 
 # Parameter offload or not, accumulation, an overflow step; persistent parameters in every case.
@@ -149,12 +164,12 @@ def _assert_overlapped(out: dict, on_gpu: bool) -> None:
 def test_zero3_offload_step_beside_the_next_forward_is_bit_identical_to_deepspeeds():
     """offload_overlap_zero3.py: the step's chunks on a worker thread, slowed down, while the next forward
     gathers each parameter only once its chunks have landed: the same weights and norms as DeepSpeed's."""
-    _assert_overlapped(run_one_rank(_script(OVERLAP_CASES, "overlap", persist=100)), on_gpu=False)
+    _assert_overlapped(run_one_rank(_script(OVERLAP_CASES, ("overlap",), persist=100)), on_gpu=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the worker queues its copies on a CUDA stream")
 def test_zero3_offload_step_beside_the_next_forward_on_a_gpu_is_bit_identical_to_deepspeeds():
-    _assert_overlapped(run_one_rank(_script(OVERLAP_CASES, "overlap", persist=100), accelerator="cuda"), on_gpu=True)
+    _assert_overlapped(run_one_rank(_script(OVERLAP_CASES, ("overlap",), persist=100), accelerator="cuda"), on_gpu=True)
 
 
 GIL_SCRIPT = """

@@ -1,7 +1,8 @@
 """dstrain's changes to DeepSpeed's CPU-offload optimizers, applied to a built engine: ZeRO-1/2 without
 per-parameter GPU waits (offload_syncs.py), ZeRO-3's gradients copied to the host once
-(offload_grads_zero3.py), the optimizer step in chunks with the bf16 rounding on the GPU
-(offload_step.py for ZeRO-1/2, offload_step_zero3.py for ZeRO-3), the gradients sent to the host in
+(offload_grads_zero3.py), the optimizer step in chunks with the bf16 rounding on the GPU, or for ZeRO-3
+with parameter offload in the Adam pass itself (offload_step.py for ZeRO-1/2, offload_step_zero3.py for
+ZeRO-3), the gradients sent to the host in
 bf16 (offload_step.py; ZeRO-3's direct copy, offload_grads_zero3.py), and ZeRO-3's step run beside the
 next forward (offload_overlap_zero3.py). Each leaves an engine it does not cover as it is."""
 
@@ -19,14 +20,17 @@ def speed_up_offload(engine, env) -> dict[str, bool]:
     """Apply what covers `engine`; which changes applied. DSTRAIN_OFFLOAD_CHUNKS=off keeps DeepSpeed's
     step, DSTRAIN_OFFLOAD_GRADS=off its gradient copies (ZeRO-3's, and ZeRO-1/2's widening to fp32 on the
     GPU), DSTRAIN_OFFLOAD_GRADS=fp32 sends them in fp32 (ZeRO-3: dstrain's one copy; ZeRO-1/2: DeepSpeed's
-    copies), DSTRAIN_OFFLOAD_OVERLAP=off runs the ZeRO-3 step before the next forward instead of beside it
-    (for measuring each change)."""
+    copies), DSTRAIN_OFFLOAD_OVERLAP=off runs the ZeRO-3 step before the next forward instead of beside it,
+    DSTRAIN_OFFLOAD_HOST_ROUNDING=off rounds ZeRO-3's offloaded weights on the GPU instead of in the
+    Adam pass (for measuring each change)."""
     chunk = number_or_switch(env, "DSTRAIN_OFFLOAD_CHUNKS", DEFAULT_CHUNK_ELEMENTS)  # elements a chunk
     threads = number_or_switch(env, "DSTRAIN_OFFLOAD_OVERLAP", -1)  # the worker's CPU threads; -1: its default
     grads = gradient_copies(env)
     applied = {"syncs": remove_offload_syncs(engine),
                "grads": grads != "deepspeed" and direct_zero3_offload_grads(engine),
-               "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(engine, chunk)}
+               "chunks": chunk_offload_step(engine, chunk) or chunk_zero3_offload_step(
+                   engine, chunk, host_rounding=not switched_off(env, "DSTRAIN_OFFLOAD_HOST_ROUNDING"))}
+    applied["host_rounding"] = applied["chunks"] and getattr(engine.optimizer, "_dstrain_round_op", None) is not None
     applied["bf16_grads"] = grads == "bf16" and applied["chunks"] and (  # both need the chunked step
         bf16_offload_grads(engine) or (applied["grads"] and bf16_zero3_offload_grads(engine)))
     applied["overlap"] = threads != 0 and overlap_zero3_offload_step(engine, max(threads, 0))
@@ -55,6 +59,8 @@ def describe(applied: dict[str, bool]) -> str | None:
         parts.append("gradients sent to the host in bf16 (DSTRAIN_OFFLOAD_GRADS=off: widened to fp32 on the GPU)")
     if applied.get("chunks"):
         parts.append("optimizer step in chunks (DSTRAIN_OFFLOAD_CHUNKS=off: DeepSpeed's step)")
+    if applied.get("host_rounding"):
+        parts.append("bf16 weights rounded in the Adam pass (DSTRAIN_OFFLOAD_HOST_ROUNDING=off: on the GPU)")
     if applied.get("overlap"):
         parts.append("the step beside the next forward (DSTRAIN_OFFLOAD_OVERLAP=off: before it)")
     return "CPU offload, dstrain's changes: " + "; ".join(parts) if parts else None

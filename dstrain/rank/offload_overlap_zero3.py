@@ -258,6 +258,8 @@ def _after_drain(overlap: StepBesideForward, method):
 
 def _accelerator_device(optimizer):
     """The CUDA device the worker queues copies on; None where the chunks are rounded on the host."""
+    if getattr(optimizer, "_dstrain_round_op", None) is not None:  # rounded by the Adam pass, into host memory
+        return None
     staging_on_device = any(m.is_pinned() for m in optimizer.fp32_partitioned_groups_flat)
     if not staging_on_device:
         return None

@@ -240,13 +240,16 @@ def _update_partition(self, group_index: int, partition_id: int, factor: float) 
             device_bit16.data[start:end].copy_(host_bit16.data[start:end], non_blocking=True)
 
 
-def adam_chunk_update(adam, group: dict, master, factor: float, op=None, bf16_grads=None, tile: int = BF16_GRAD_TILE):
+def adam_chunk_update(adam, group: dict, master, factor: float, op=None, bf16_grads=None, tile: int = BF16_GRAD_TILE,
+                      rounded=None):
     """DeepSpeedCPUAdam.step for one fp32 partition, cut by chunk: it counts the step (initialising the
     moments on the first, as DeepSpeedCPUAdam does) and returns update(start, end), which unscales that
     chunk of the gradient by `factor` and runs DeepSpeed's Adam kernel on it (through `op`, an op with
     the same adam_update and the optimizer registered under adam.opt_id, or adam's own); None without a
     gradient. With `bf16_grads` (and dstrain's op) the gradient is read from there, widened and unscaled
-    in tiles of `tile`. Chunks must start on SIMD_BLOCK boundaries for the values to be DeepSpeed's."""
+    in tiles of `tile`. With `rounded` (a bf16 host tensor the size of `master`; needs dstrain's op) each
+    chunk's new weights are also rounded into it, tile by tile, in the same pass. Chunks must start on
+    SIMD_BLOCK boundaries for the values to be DeepSpeed's."""
     import torch
 
     grad = master.grad
@@ -270,8 +273,15 @@ def adam_chunk_update(adam, group: dict, master, factor: float, op=None, bf16_gr
         def update_from_bf16(start: int, end: int) -> None:
             op.adam_update_bf16_grads(adam.opt_id, step, lr, beta1, beta2, eps, decay, bias_correction,
                                       weights[start:end], bf16_grads[start:end], exp_avg[start:end],
-                                      exp_avg_sq[start:end], factor, tile)
+                                      exp_avg_sq[start:end], factor, tile,
+                                      None if rounded is None else rounded[start:end])
         return update_from_bf16
+    if rounded is not None:
+        def update_and_round(start: int, end: int) -> None:
+            op.adam_update_and_round(adam.opt_id, step, lr, beta1, beta2, eps, decay, bias_correction,
+                                     weights[start:end], grad.data[start:end], exp_avg[start:end],
+                                     exp_avg_sq[start:end], factor, tile, rounded[start:end])
+        return update_and_round
 
     def update(start: int, end: int) -> None:
         grad_chunk = grad.data[start:end]

@@ -27,11 +27,12 @@ import types
 from dstrain.rank.offload_step import SIMD_BLOCK, adam_chunk_update, record_copies, unscale_factor
 
 
-def chunk_zero3_offload_step(engine, chunk_elements: int) -> bool:
+def chunk_zero3_offload_step(engine, chunk_elements: int, host_rounding: bool = True) -> bool:
     """Give `engine`'s ZeRO-3 CPU-offload optimizer the chunked step; False (nothing changed) for any other
     optimizer or set-up it does not cover: NVMe swapping, partial offload (`ratio`), SuperOffload, ZenFlow,
     Muon, torch autocast's grad scaler, another CPU optimizer, fp16 masters, or a DeepSpeed without the
-    pieces it calls."""
+    pieces it calls. `host_rounding`: with parameter offload, round the new weights into the host's bf16
+    partition in the Adam pass itself (dstrain's Adam op), where it can be built."""
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -57,7 +58,12 @@ def chunk_zero3_offload_step(engine, chunk_elements: int) -> bool:
         return False
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() != "cpu":
+    optimizer._dstrain_round_op = None  # dstrain's Adam op, where it rounds the weights on the host
+    if host_rounding and all(flat.device.type == "cpu" and flat.dtype == torch.bfloat16 for flat in bit16):
+        from dstrain.rank.adam_nogil import adam_without_gil
+
+        optimizer._dstrain_round_op = adam_without_gil(optimizer.optimizer)
+    if get_accelerator().device_name() != "cpu" and optimizer._dstrain_round_op is None:
         for master in masters:  # pinned once: their copies to the GPU must not block the host
             if not master.is_pinned():
                 master.data = get_accelerator().pin_memory(master.data)
@@ -157,14 +163,19 @@ def chunk_updater(self, sub_group_id: int, factor: float, adam_op=None):
     master = self.fp32_partitioned_groups_flat[sub_group_id]
     bit16 = self.fp16_partitioned_groups_flat[sub_group_id]
     on_host = bit16.device.type == "cpu"
-    round_on_device = master.is_pinned() and (not on_host or bit16.is_pinned())
+    round_op = getattr(self, "_dstrain_round_op", None)  # set only where every bf16 partition is on the host
+    rounded = bit16.data if round_op is not None else None
+    round_on_device = round_op is None and master.is_pinned() and (not on_host or bit16.is_pinned())
     bf16_grads = getattr(self, "_dstrain_bf16_grads", None)
     if bf16_grads is not None and self._dstrain_grads_in_bf16:  # this step's gradients came in bf16
         op, views = bf16_grads
-        update = adam_chunk_update(adam, group, master, factor, op=adam_op or op, bf16_grads=views[sub_group_id])
+        update = adam_chunk_update(adam, group, master, factor, op=adam_op or op, bf16_grads=views[sub_group_id],
+                                   rounded=rounded)
     else:
-        update = adam_chunk_update(adam, group, master, factor, adam_op)
+        update = adam_chunk_update(adam, group, master, factor, adam_op or round_op, rounded=rounded)
     weights, chunk = master.data, self._dstrain_chunk
+    if update is not None and rounded is not None:  # the Adam pass writes the bf16 weights itself
+        return update
     if round_on_device:
         device = bit16.device if not on_host else torch.device(get_accelerator().current_device_name())
         if self._dstrain_staging is None or self._dstrain_staging[0].device != device:
