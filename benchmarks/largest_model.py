@@ -64,16 +64,13 @@ def estimate(args, preset: str, n_layer: int, hardware) -> dict:
     from dstrain.tools.estimate import memory as E
     from dstrain.config.resolve import resolve
     from dstrain.models import count_model, model_builder
+    from dstrain.tools.estimate.planner import checkpointing_decision, workload
     resolved = resolve(preset, None, shape_sets(args, preset, n_layer), world_size=1, accelerator=args.accelerator,
                        env={})
     cfg = resolved.config
     params, largest = count_model(model_builder(cfg))
-    ac = resolved.ds_config.get("activation_checkpointing") or {}
-    work = E.Workload(params=params, largest_layer_params=largest, n_layer=n_layer, d_model=args.d_model,
-                      n_head=args.n_head, seq_len=args.seq_len, micro_batch=1,
-                      activation_checkpointing=cfg.train.activation_checkpointing,
-                      cpu_checkpointing=bool(ac.get("cpu_checkpointing")), precision=cfg.train.precision,
-                      vocab_size=args.vocab_size)
+    checkpointing, _ = checkpointing_decision(cfg, resolved.ds_config, params, largest, hardware)
+    work = workload(cfg, resolved.ds_config, params, largest, checkpointing)
     est = E.estimate_one(preset, E.placement_from_ds_config(resolved.ds_config), work, hardware)
     return {"params": params, "fits": est.fits, "why": est.why, "gpu_gib": round(est.gpu_bytes_per_gpu / GiB, 2),
             "host_gib": round(est.cpu_bytes_per_node / GiB, 2), "nvme_gib": round(est.nvme_bytes / GiB, 2)}

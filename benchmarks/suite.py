@@ -140,8 +140,9 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
     measure them one by one)."""
     import deepspeed
     from dstrain.models import build_model
+    from dstrain.rank.runtime import checkpointing_wanted
     model = build_model(config, ds_config, device)
-    if config.train.activation_checkpointing:
+    if checkpointing_wanted(config, ds_config, model, device)[0]:  # as dstrain's rank decides "auto"
         ac = ds_config.get("activation_checkpointing") or {}
         deepspeed.checkpointing.configure(
             None, partition_activations=ac.get("partition_activations", False),
@@ -220,7 +221,10 @@ def _lightning_fit(config, preset: str, cuda: bool, world: int, log_every: int) 
         def configure_model(self):  # Lightning's hook for zero.Init (stage 3)
             if self.model is None:
                 self.model = model_builder(config)()
-                if t.activation_checkpointing:  # what dstrain's preset turns on (stage3_offload)
+                from dstrain.rank.runtime import checkpointing_wanted
+                device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+                # what dstrain's preset turns on, or its rank decides for "auto" (stage3_offload)
+                if checkpointing_wanted(config, config.deepspeed, self.model, device)[0]:
                     import deepspeed
                     deepspeed.checkpointing.configure(None)
                     self.model.enable_checkpointing(deepspeed.checkpointing.checkpoint)

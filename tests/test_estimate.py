@@ -291,6 +291,45 @@ def test_eager_attention_stores_the_score_matrix():
     assert eager.activation_bytes_per_gpu - flash.activation_bytes_per_gpu == 5 * a * s * s * L
 
 
+def test_auto_checkpointing_is_off_where_the_run_without_it_needs_at_most_half_the_gpu():
+    """train.activation_checkpointing "auto" (the offload presets): the 406M GPT at micro batch 8 x 1024
+    (measured 16.2 GiB peak without checkpointing on an H100) leaves it off on 80 GiB; a 7B model at 8 x
+    4096 needs it; the rule is the run's estimate without checkpointing against half the memory."""
+    from dstrain.tools.estimate.memory import AUTO_CHECKPOINTING_SHARE, auto_checkpointing
+
+    placement = placement_from_ds_config(PRESETS["stage3_offload"])
+    gpt_406m = gpt(405_899_264, 24, 1024, vocab=100_352, n_head=16, seq_len=1024, micro_batch=8)
+    on, why = auto_checkpointing(placement, gpt_406m, node(gpus=1))
+    assert on is False and why.startswith("off: the run without it is estimated at") and "80.0 GiB per GPU" in why
+    without = estimate_one("x", placement, gpt(405_899_264, 24, 1024, vocab=100_352, n_head=16, seq_len=1024,
+                                               micro_batch=8, activation_checkpointing=False), node(gpus=1))
+    assert 8 * GiB < without.gpu_bytes_per_gpu < 20 * GiB
+    # the same run on a GPU of under twice that estimate: on
+    small = node(gpus=1, gpu_gib=without.gpu_bytes_per_gpu / GiB / AUTO_CHECKPOINTING_SHARE * 0.99)
+    assert auto_checkpointing(placement, gpt_406m, small)[0] is True
+    on, why = auto_checkpointing(placement, gpt(P_7B, 32, 4096, seq_len=4096, micro_batch=8), node(gpus=1))
+    assert on is True and why.startswith("on: the run without it is estimated at") and "over 50% of 80.0 GiB" in why
+    # CPU ranks share the host's RAM
+    on, why = auto_checkpointing(placement, gpt_406m, node(gpus=2, cpu_gib=24, accelerator="cpu"))
+    assert on is True and "of 12.0 GiB per rank's share of host RAM" in why
+
+
+def test_checkpointing_decision_keeps_the_users_choice_and_is_on_for_a_model_it_cannot_estimate():
+    from dstrain.config.resolve import resolve
+    from dstrain.tools.estimate.planner import checkpointing_decision
+
+    hw = node(gpus=1)
+    resolved = resolve(preset="stage3_offload", sets=["train.activation_checkpointing=true"], env={})
+    assert checkpointing_decision(resolved.config, resolved.ds_config, 10**8, 10**7, hw) == (True, None)
+    resolved = resolve(preset="stage3_offload", env={})
+    assert resolved.config.train.activation_checkpointing == "auto"
+    assert "each rank decides from its GPU's memory" in resolved.sources["train.activation_checkpointing"]
+    assert checkpointing_decision(resolved.config, resolved.ds_config, 10**8, 10**7, hw)[0] is False
+    resolved.config.model.name = "my_pkg.models:build"
+    on, why = checkpointing_decision(resolved.config, resolved.ds_config, 10**8, 10**7, hw)
+    assert on is True and "built-in GPT only" in why
+
+
 # (7) output
 
 

@@ -31,6 +31,9 @@ def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(tmp_path, preset
     assert_ok(first)
     # ZeRO-3 without offload trains with dstrain's step (rank/zero3_step.py), and rank 0 says so once
     assert first.stdout.count("ZeRO-3: the step's release") == (1 if preset == "stage3" else 0)
+    # the offload presets' activation checkpointing is "auto": off for the tiny model in host RAM, said once
+    auto_off = "activation checkpointing off: the run without it is estimated at"
+    assert first.stdout.count(auto_off) == (1 if preset in ("stage3_offload", "stage3_nvme") else 0)
 
     tag = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert tag == "step00000004"
@@ -134,6 +137,7 @@ def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(t
     norms, bit for bit."""
     sets = ("train.max_steps=5", "train.log_every=1", "train.save_every=5", "train.lr=3e-3")
     sets += ("train.precision=bf16",)  # bf16 weights: the gradients go to the host in bf16
+    sets += ("train.activation_checkpointing=true",)  # DeepSpeed's checkpointing under offload, too
     runs = {}
     said = {}
     for name, chunks, grads in (("chunked", "4096", "on"), ("deepspeed", "off", "off")):
@@ -151,6 +155,7 @@ def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(t
     assert ("gradients sent to the host once, in bf16" in said["chunked"][0]) is (preset == "stage3_offload")
     assert ("gradients sent to the host in bf16" in said["chunked"][0]) is (preset == "stage2_offload")
     assert ("the step beside the next forward" in said["chunked"][0]) is (preset == "stage3_offload")
+    assert ("bf16 weights rounded in the Adam pass" in said["chunked"][0]) is (preset == "stage3_offload")
     if preset == "stage2_offload":  # the per-parameter waits have no switch
         assert said["deepspeed"] and "chunks" not in said["deepspeed"][0]
     else:

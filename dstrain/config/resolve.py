@@ -116,6 +116,10 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     autos.check_autos_left(rendered, merged, ignored, problems)
     _cross_field_checks(rendered, merged, problems)
     resolve_compile(config, rendered, accelerator, notes)
+    if config.train.activation_checkpointing == "auto":
+        notes["train.activation_checkpointing"] = (
+            "auto: each rank decides from its GPU's memory: off where dstrain's estimate of the run without it "
+            "is at most half of it, on otherwise (always on for a model other than the built-in GPT)")
     check_deepcompile(config, rendered, merged, accelerator, problems)
     compile_warnings(config, rendered, merged, warnings)
     _one_gpu_stage3_warning(rendered, merged, world_size, accelerator, warnings)

@@ -153,9 +153,12 @@ class TrainConfig(Section):
     """Adam epsilon (0 is allowed, as in torch's Adam)."""
     grad_clip: NonNegativeFloat = 1.0
     """Clip the global gradient norm to this value; 0 disables (DeepSpeed's gradient_clipping)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | Literal["auto"] = False
     """Recompute each transformer block in backward instead of storing its activations, through
-    DeepSpeed's checkpointing (see deepspeed.activation_checkpointing for partition/cpu options)."""
+    DeepSpeed's checkpointing (see deepspeed.activation_checkpointing for partition/cpu options).
+    "auto" (the offload presets) decides on each rank: off where dstrain's memory estimate of the run
+    without it needs at most half of the GPU, on otherwise (and always on for a model other than the
+    built-in GPT, whose activations the estimate does not know); rank 0 says which and why."""
     compile: bool | Literal["auto"] = "auto"
     """Compile the model with torch.compile (DeepSpeed's engine.compile) before training. "auto" is on
     where it was measured to help (docs/benchmarks.md): the built-in GPT in bf16 on CUDA with ZeRO

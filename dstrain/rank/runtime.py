@@ -121,6 +121,34 @@ def initialize_engine(model, ds_config: dict):
     return engine
 
 
+def checkpointing_wanted(config, ds_config: dict, model, device) -> tuple[bool, str | None]:
+    """Whether this rank checkpoints activations: train.activation_checkpointing, or for "auto" the memory
+    estimate's decision for this rank's device and its job's layout (planner.checkpointing_decision),
+    with why (None where the user chose)."""
+    if config.train.activation_checkpointing != "auto":
+        return bool(config.train.activation_checkpointing), None
+    import torch
+
+    from dstrain.tools.estimate import memory as E
+    from dstrain.tools.estimate.planner import checkpointing_decision
+
+    def numel(p):  # ZeRO-3 builds partitioned parameters: their full size is ds_numel
+        return getattr(p, "ds_numel", p.numel())
+
+    total = sum(numel(p) for p in model.parameters())
+    largest = max((sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // per_node)
+    host = E.host_ram_bytes()
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+        hw = E.Hardware(gpus_per_node=per_node, nodes=nodes, gpu_mem_bytes=memory, cpu_mem_bytes=host)
+    else:
+        hw = E.Hardware(gpus_per_node=per_node, nodes=nodes, gpu_mem_bytes=host, cpu_mem_bytes=host,
+                        accelerator="cpu")
+    return checkpointing_decision(config, ds_config, total, largest, hw)
+
+
 def enable_activation_checkpointing(model, ds_config: dict, rank: int) -> None:
     import deepspeed
     options = ds_config.get("activation_checkpointing") or {}

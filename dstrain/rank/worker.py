@@ -194,11 +194,15 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
     from dstrain.rank.offload import describe, speed_up_offload
-    from dstrain.rank.runtime import enable_activation_checkpointing, initialize_engine
+    from dstrain.rank.runtime import checkpointing_wanted, enable_activation_checkpointing, initialize_engine
     from dstrain.rank.zero3 import describe_lean_step, speed_up_zero3
 
     model = build_model(config, ds_config, device)
-    if config.train.activation_checkpointing:
+    checkpointing, why = checkpointing_wanted(config, ds_config, model, device)
+    if why and rank == 0:
+        print(f"activation checkpointing {why} (train.activation_checkpointing=auto; true or false to choose)",
+              flush=True)
+    if checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
     engine = initialize_engine(model, ds_config)
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there

@@ -93,7 +93,7 @@ not modelled), host bytes <= host RAM, NVMe bytes <= `Hardware.nvme_free_bytes` 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from dstrain.errors import Problem, UserError
 
@@ -425,6 +425,26 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
     )
 
 
+# train.activation_checkpointing "auto" turns checkpointing off only where the run without it is estimated
+# to need at most this share of each GPU: the offload presets' GPU estimate ran up to 2x low against
+# measured peaks (docs/benchmarks.md, "Memory estimate against these measurements").
+AUTO_CHECKPOINTING_SHARE = 0.5
+
+
+def auto_checkpointing(placement: Placement, work: Workload, hw: Hardware) -> tuple[bool, str]:
+    """train.activation_checkpointing "auto": (on, why). Off where this estimate of the run without
+    checkpointing needs at most AUTO_CHECKPOINTING_SHARE of each GPU's memory (of each rank's share of host
+    RAM on a CPU accelerator), on otherwise."""
+    without = estimate_one("auto", placement, replace(work, activation_checkpointing=False), hw)
+    have = hw.gpu_mem_bytes if hw.accelerator != "cpu" else hw.cpu_mem_bytes // max(1, hw.gpus_per_node)
+    where = "GPU" if hw.accelerator != "cpu" else "rank's share of host RAM"
+    need = without.gpu_bytes_per_gpu
+    if need <= AUTO_CHECKPOINTING_SHARE * have:
+        return False, f"off: the run without it is estimated at {_gib(need)} of {_gib(have)} per {where}"
+    return True, (f"on: the run without it is estimated at {_gib(need)}, over "
+                  f"{AUTO_CHECKPOINTING_SHARE:.0%} of {_gib(have)} per {where}")
+
+
 def _placement_notes(placement: Placement, hw: Hardware) -> list[str]:
     """What DeepSpeed will not do as the placement asks, or what it buys nothing for, said before the figures."""
     notes = []
@@ -612,7 +632,7 @@ def recommend(estimates: list[PresetEstimate]) -> tuple[str | None, str]:
 # --------------------------------------------------------------------------- hardware and model
 
 
-def _host_ram_bytes() -> int:
+def host_ram_bytes() -> int:
     """MemTotal from /proc/meminfo; the sysconf page count elsewhere."""
     try:
         with open("/proc/meminfo") as fh:
@@ -633,7 +653,7 @@ def detect_hardware() -> Hardware:
     """
     import torch
 
-    host = _host_ram_bytes()
+    host = host_ram_bytes()
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         count = torch.cuda.device_count()
         mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))

@@ -77,17 +77,39 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         total, largest = count_model(model_builder(base))
     estimates, work = [], None
     for name, r in resolved.items():  # each preset may switch activation checkpointing on or off
-        ac = r.ds_config.get("activation_checkpointing") or {}
-        cfg = r.config
-        work = E.Workload(params=total, largest_layer_params=largest, n_layer=cfg.model.n_layer,
-                          d_model=cfg.model.d_model, n_head=cfg.model.n_head, seq_len=cfg.data.seq_len,
-                          micro_batch=cfg.train.micro_batch_size,
-                          activation_checkpointing=cfg.train.activation_checkpointing,
-                          cpu_checkpointing=bool(ac.get("cpu_checkpointing")), precision=cfg.train.precision,
-                          vocab_size=cfg.model.vocab_size)
+        checkpointing, why = checkpointing_decision(r.config, r.ds_config, total, largest, hw)
+        if why:
+            notes.append(f"{name}: activation checkpointing {why} (train.activation_checkpointing=auto)")
+        work = workload(r.config, r.ds_config, total, largest, checkpointing)
         estimates.append(E.estimate_one(name, E.placement_from_ds_config(r.ds_config), work, hw))
     recommended, reason = E.recommend(estimates)
     return Plan(estimates, recommended, reason, hw, work, notes)
+
+
+def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpointing: bool):
+    """The estimate's Workload for a resolved run config whose model has `total` parameters."""
+    from dstrain.tools.estimate import memory as E
+
+    ac = ds_config.get("activation_checkpointing") or {}
+    return E.Workload(params=total, largest_layer_params=largest, n_layer=cfg.model.n_layer,
+                      d_model=cfg.model.d_model, n_head=cfg.model.n_head, seq_len=cfg.data.seq_len,
+                      micro_batch=cfg.train.micro_batch_size, activation_checkpointing=activation_checkpointing,
+                      cpu_checkpointing=bool(ac.get("cpu_checkpointing")), precision=cfg.train.precision,
+                      vocab_size=cfg.model.vocab_size)
+
+
+def checkpointing_decision(cfg, ds_config: dict, total: int, largest: int, hw) -> tuple[bool, str | None]:
+    """Whether the run checkpoints activations: train.activation_checkpointing, or for "auto" the
+    estimate's answer on `hw` (memory.auto_checkpointing), with why (None where the user chose)."""
+    from dstrain.tools.estimate import memory as E
+
+    chosen = cfg.train.activation_checkpointing
+    if chosen != "auto":
+        return bool(chosen), None
+    if cfg.model.name != "gpt":  # the activation formulas are the built-in GPT's
+        return True, "on: dstrain estimates the activations of its built-in GPT only"
+    work = workload(cfg, ds_config, total, largest, True)
+    return E.auto_checkpointing(E.placement_from_ds_config(ds_config), work, hw)
 
 
 def choose_preset(config_file: Path | None, sets: list[str], ranks: int, nodes: int, accelerator: str) -> tuple[str, str]:
