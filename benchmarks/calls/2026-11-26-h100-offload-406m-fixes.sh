@@ -6,6 +6,9 @@
 # memory_efficient_linear off as a candidate; torch; the GPU tests of the ZeRO-3 offload step.
 #   PART=1  406M GPT (24 x 1024, vocabulary 100,352, micro batch 8 x 1024)
 #   PART=2  913M (16 x 2048, vocabulary 50,304, sequence 2048, micro batch 4) and 1.3B (24 x 2048, 8 x 1024)
+#   PART=3  406M after the next two changes (the Adam tiles taken dynamically by the threads, Python's switch
+#           interval at 0.25 ms beside the overlapped step): with it against DSTRAIN_OFFLOAD_GIL_HANDOFF=off
+#           and against memory_efficient_linear off, alternating; the hand loop's phases
 set -u
 W=/tmp/wfix; mkdir -p $W
 S="python3 benchmarks/suite.py --work $W --gpus 1 --row-timeout 200"
@@ -27,6 +30,16 @@ case ${PART:-1} in
        --variant "gpu_round@dstrain=+env:DSTRAIN_OFFLOAD_HOST_ROUNDING=off" --variant "shipped2@dstrain=" \
        --variant "mel_off@dstrain=deepspeed.zero_optimization.memory_efficient_linear=false" \
        --variant "before@dstrain=train.activation_checkpointing=true;+env:DSTRAIN_OFFLOAD_HOST_ROUNDING=off" \
+       --variant "shipped3@dstrain=" > $OUT/rows.log 2>&1
+     $S $M406 --steps 40 --out $OUT/r --runners deepspeed --presets stage3_offload --no-base \
+       --variant "ph@deepspeed=+dstrain_offload;+phases" > $OUT/phases.log 2>&1 ;;
+  3) ops & OPSPID=$!
+     $S $M406 --steps 60 --out $OUT/r --runners torch --presets stage2 > $OUT/torch.log 2>&1
+     wait $OPSPID
+     GIL="+env:DSTRAIN_OFFLOAD_GIL_HANDOFF=off"; MEL="deepspeed.zero_optimization.memory_efficient_linear=false"
+     $S $M406 --steps 60 --out $OUT/r --runners dstrain --presets stage3_offload --no-base \
+       --variant "shipped@dstrain=" --variant "gil_off@dstrain=$GIL" --variant "mel_off@dstrain=$MEL" \
+       --variant "shipped2@dstrain=" --variant "gil_off2@dstrain=$GIL" --variant "mel_off2@dstrain=$MEL" \
        --variant "shipped3@dstrain=" > $OUT/rows.log 2>&1
      $S $M406 --steps 40 --out $OUT/r --runners deepspeed --presets stage3_offload --no-base \
        --variant "ph@deepspeed=+dstrain_offload;+phases" > $OUT/phases.log 2>&1 ;;

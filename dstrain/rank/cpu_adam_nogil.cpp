@@ -13,7 +13,9 @@
 // DeepSpeed's update run tile by tile on each thread: DeepSpeed's own Step_8 on each tile, whose
 // gradients `gradients_of(start, length, buffer)` points at (the caller's fp32 gradients, or a thread's
 // buffer it filled). Tiles are multiples of 1,024 elements, so every element takes the vector or scalar
-// path it takes in one call over the whole tensor. With `rounded`, each tile's updated weights are then
+// path it takes in one call over the whole tensor. Threads take tiles as they finish (dynamic): beside
+// a training thread and the GPU driver's threads on the same cores, a statically split pass waits for
+// its slowest thread. With `rounded`, each tile's updated weights are then
 // rounded to bf16 into it while the tile is still in cache (c10::BFloat16: round to nearest even, as
 // torch's .to(torch.bfloat16)), instead of a separate pass or a copy to the GPU and back.
 template <typename GradientsOf>
@@ -30,7 +32,7 @@ static void step_in_tiles(Adam_Optimizer* opt,
 #pragma omp parallel
     {
         std::vector<float> buffer(static_cast<size_t>(std::min(tile, n)));
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)
         for (int64_t t = 0; t < tiles; ++t) {
             const int64_t start = t * tile;
             const int64_t length = std::min(tile, n - start);

@@ -22,7 +22,8 @@ def speed_up_offload(engine, env) -> dict[str, bool]:
     GPU), DSTRAIN_OFFLOAD_GRADS=fp32 sends them in fp32 (ZeRO-3: dstrain's one copy; ZeRO-1/2: DeepSpeed's
     copies), DSTRAIN_OFFLOAD_OVERLAP=off runs the ZeRO-3 step before the next forward instead of beside it,
     DSTRAIN_OFFLOAD_HOST_ROUNDING=off rounds ZeRO-3's offloaded weights on the GPU instead of in the
-    Adam pass (for measuring each change)."""
+    Adam pass, DSTRAIN_OFFLOAD_GIL_HANDOFF=off keeps Python's 5 ms switch interval beside the overlapped
+    step (for measuring each change)."""
     chunk = number_or_switch(env, "DSTRAIN_OFFLOAD_CHUNKS", DEFAULT_CHUNK_ELEMENTS)  # elements a chunk
     threads = number_or_switch(env, "DSTRAIN_OFFLOAD_OVERLAP", -1)  # the worker's CPU threads; -1: its default
     grads = gradient_copies(env)
@@ -33,7 +34,8 @@ def speed_up_offload(engine, env) -> dict[str, bool]:
     applied["host_rounding"] = applied["chunks"] and getattr(engine.optimizer, "_dstrain_round_op", None) is not None
     applied["bf16_grads"] = grads == "bf16" and applied["chunks"] and (  # both need the chunked step
         bf16_offload_grads(engine) or (applied["grads"] and bf16_zero3_offload_grads(engine)))
-    applied["overlap"] = threads != 0 and overlap_zero3_offload_step(engine, max(threads, 0))
+    applied["overlap"] = threads != 0 and overlap_zero3_offload_step(
+        engine, max(threads, 0), quick_gil_handoff=not switched_off(env, "DSTRAIN_OFFLOAD_GIL_HANDOFF"))
     return applied
 
 
