@@ -327,9 +327,15 @@ def _phase_times(engine, next_batch, device, steps: int) -> dict:
             torch.cuda.synchronize(device)
 
     times = {"forward": [], "backward": [], "step": []}
+    # dstrain's ZeRO-3 offload step beside the forward: the worker's time on the update, and the forward's
+    # time waiting for it (offload_overlap_zero3.py)
+    overlap = getattr(getattr(engine, "optimizer", None), "_dstrain_overlap", None)
+    if overlap is not None:
+        times.update({"update (worker)": [], "forward's waits": []})
     for _ in range(steps):
         batch = next_batch()
         sync()
+        waited = overlap.waited_s if overlap is not None else 0.0
         t0 = time.perf_counter()
         loss = engine(batch)
         sync()
@@ -337,12 +343,15 @@ def _phase_times(engine, next_batch, device, steps: int) -> dict:
         engine.backward(loss)
         sync()
         t2 = time.perf_counter()
+        if overlap is not None:  # the backward's gradient copies waited for the whole update
+            times["update (worker)"].append(overlap.update_s * 1000)
+            times["forward's waits"].append((overlap.waited_s - waited) * 1000)
         engine.step()
         sync()
         t3 = time.perf_counter()
         for name, seconds in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2)):
             times[name].append(seconds * 1000)
-    return {name: round(statistics.median(values), 1) for name, values in times.items()}
+    return {name: round(statistics.median(values), 1) for name, values in times.items() if values}
 
 
 def _run_dstrain_loop(engine, config, run_dir: Path, train_sampler, eval_sampler, device, rank: int,

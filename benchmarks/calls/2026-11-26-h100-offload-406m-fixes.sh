@@ -9,6 +9,9 @@
 #   PART=3  406M after the next two changes (the Adam tiles taken dynamically by the threads, Python's switch
 #           interval at 0.25 ms beside the overlapped step): with it against DSTRAIN_OFFLOAD_GIL_HANDOFF=off
 #           and against memory_efficient_linear off, alternating; the hand loop's phases
+#   PART=4  406M: the host's Adam alone; the hand loop's phases with the worker's update time and the
+#           forward's waits on it: as shipped, the worker on 16 threads, the main thread's OpenMP pool at 1
+#           thread, the step before the forward; then PART=2's rows
 set -u
 W=/tmp/wfix; mkdir -p $W
 S="python3 benchmarks/suite.py --work $W --gpus 1 --row-timeout 200"
@@ -19,6 +22,16 @@ ops() {
   ( OPS="FusedAdamBuilder CPUAdamBuilder" bash benchmarks/gpu_ops.sh
     python3 -c "from dstrain.rank.adam_nogil import load_adam_without_gil as f; f(); print('op dstrain_cpu_adam_nogil: ready')"
   ) > $OUT/ops.log 2>&1
+}
+rows_913_13() {
+  $S $M913 --steps 40 --out $OUT/r913 --runners torch --presets stage2 > $OUT/torch913.log 2>&1
+  $S $M913 --steps 40 --out $OUT/r913 --runners dstrain --presets stage3_offload --no-base \
+    --variant "shipped@dstrain=" --variant "before@dstrain=train.activation_checkpointing=true;+env:DSTRAIN_OFFLOAD_HOST_ROUNDING=off" \
+    > $OUT/rows913.log 2>&1
+  $S $B13 --steps 40 --out $OUT/r13 --runners torch --presets stage2 > $OUT/torch13.log 2>&1
+  $S $B13 --steps 40 --out $OUT/r13 --runners dstrain --presets stage3_offload --no-base \
+    --variant "shipped@dstrain=" --variant "before@dstrain=train.activation_checkpointing=true;+env:DSTRAIN_OFFLOAD_HOST_ROUNDING=off" \
+    > $OUT/rows13.log 2>&1
 }
 case ${PART:-1} in
   1) ops & OPSPID=$!
@@ -43,17 +56,19 @@ case ${PART:-1} in
        --variant "shipped3@dstrain=" > $OUT/rows.log 2>&1
      $S $M406 --steps 40 --out $OUT/r --runners deepspeed --presets stage3_offload --no-base \
        --variant "ph@deepspeed=+dstrain_offload;+phases" > $OUT/phases.log 2>&1 ;;
-  2) $S $M913 --steps 40 --out $OUT/r913 --runners torch --presets stage2 > $OUT/torch913.log 2>&1
-     $S $M913 --steps 40 --out $OUT/r913 --runners dstrain --presets stage3_offload --no-base \
-       --variant "shipped@dstrain=" --variant "before@dstrain=train.activation_checkpointing=true;+env:DSTRAIN_OFFLOAD_HOST_ROUNDING=off" \
-       > $OUT/rows913.log 2>&1
-     $S $B13 --steps 40 --out $OUT/r13 --runners torch --presets stage2 > $OUT/torch13.log 2>&1
-     $S $B13 --steps 40 --out $OUT/r13 --runners dstrain --presets stage3_offload --no-base \
-       --variant "shipped@dstrain=" --variant "before@dstrain=train.activation_checkpointing=true;+env:DSTRAIN_OFFLOAD_HOST_ROUNDING=off" \
-       > $OUT/rows13.log 2>&1 ;;
+  4) ops
+     python3 benchmarks/host_adam.py --threads 15 > $OUT/host_adam.log 2>&1
+     $S $M406 --steps 40 --out $OUT/r --runners deepspeed --presets stage3_offload --no-base \
+       --variant "ph@deepspeed=+dstrain_offload;+phases" \
+       --variant "ph_t16@deepspeed=+dstrain_offload;+phases;+env:DSTRAIN_OFFLOAD_OVERLAP=16" \
+       --variant "ph_omp1@deepspeed=+dstrain_offload;+phases;+env:DSTRAIN_OFFLOAD_OVERLAP=15;+env:OMP_NUM_THREADS=1" \
+       --variant "ph_seq@deepspeed=+dstrain_offload;+phases;+env:DSTRAIN_OFFLOAD_OVERLAP=off" > $OUT/phases.log 2>&1
+     rows_913_13 ;;
+  2) rows_913_13 ;;
 esac
 tar -czf $OUT/logs.tgz -C $W $(cd $W && ls *.log) -C $OUT r r913 r13 2>/dev/null
 rm -rf $OUT/r $OUT/r913 $OUT/r13
 grep -h "activation checkpointing o\|CPU offload, dstrain" $W/*.log 2>/dev/null | sed 's/^\[ *[0-9.]*s\] //' | sort | uniq -c | head -6
+cat $OUT/host_adam.log 2>/dev/null
 for f in ops gputests torch rows phases torch913 rows913 torch13 rows13; do [ -f $OUT/$f.log ] || continue; echo "== $f"
   grep -E "^(torch|dstrain|deepspeed) +(stage|none)|phases|ready|FAILED|passed|failed|Error" $OUT/$f.log | grep -v "  -  "; done

@@ -29,6 +29,7 @@ import contextlib
 import queue
 import sys
 import threading
+import time
 import types
 
 from dstrain.rank.adam_nogil import adam_without_gil
@@ -125,6 +126,8 @@ class StepBesideForward:
         self.error: BaseException | None = None
         self.steps = 0  # steps the worker finished
         self.waits = 0  # gathers that had to wait for the worker
+        self.waited_s = 0.0  # the training thread's time in those waits, in all
+        self.update_s = 0.0  # the worker's time on the last step it finished
         self._changed = threading.Condition()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stream = None
@@ -160,8 +163,10 @@ class StepBesideForward:
         with self._changed:
             if self.queued <= need:
                 self.waits += 1
-            while self.queued <= need and self.error is None:
-                self._changed.wait()
+                started = time.perf_counter()
+                while self.queued <= need and self.error is None:
+                    self._changed.wait()
+                self.waited_s += time.perf_counter() - started
             event = self.events[need] if self.queued > need else None
         self.raise_error()
         if event is not None:  # the device waits, not the host: copies of later chunks keep flowing
@@ -206,6 +211,7 @@ class StepBesideForward:
     def _update_all(self, updaters) -> None:
         import torch
 
+        started = time.perf_counter()
         event = None
         for position, (sub_group, start, end) in enumerate(self.order):
             with self.stream_context():
@@ -222,6 +228,7 @@ class StepBesideForward:
         with self._changed:
             self.running = False
             self.steps += 1
+            self.update_s = time.perf_counter() - started
             self._changed.notify_all()
 
 
