@@ -12,6 +12,8 @@
 #   PART=4  406M: the host's Adam alone; the hand loop's phases with the worker's update time and the
 #           forward's waits on it: as shipped, the worker on 16 threads, the main thread's OpenMP pool at 1
 #           thread, the step before the forward; then PART=2's rows
+#   PART=5  406M, the shipped tree with its peers: torch; dstrain, the hand loop and Lightning on the two
+#           offload presets; dstrain's stage3_offload again last
 set -u
 W=/tmp/wfix; mkdir -p $W
 S="python3 benchmarks/suite.py --work $W --gpus 1 --row-timeout 200"
@@ -65,10 +67,17 @@ case ${PART:-1} in
        --variant "ph_seq@deepspeed=+dstrain_offload;+phases;+env:DSTRAIN_OFFLOAD_OVERLAP=off" > $OUT/phases.log 2>&1
      rows_913_13 ;;
   2) rows_913_13 ;;
+  5) ops & OPSPID=$!
+     $S $M406 --steps 60 --out $OUT/r --runners torch --presets stage2 > $OUT/torch.log 2>&1
+     wait $OPSPID
+     $S $M406 --steps 40 --out $OUT/r --runners dstrain,deepspeed,lightning --presets stage3_offload,stage2_offload \
+       > $OUT/rows.log 2>&1
+     $S $M406 --steps 40 --out $OUT/r --runners dstrain --presets stage3_offload --no-base --variant "again@dstrain=" \
+       > $OUT/again.log 2>&1 ;;
 esac
 tar -czf $OUT/logs.tgz -C $W $(cd $W && ls *.log) -C $OUT r r913 r13 2>/dev/null
 rm -rf $OUT/r $OUT/r913 $OUT/r13
 grep -h "activation checkpointing o\|CPU offload, dstrain" $W/*.log 2>/dev/null | sed 's/^\[ *[0-9.]*s\] //' | sort | uniq -c | head -6
 cat $OUT/host_adam.log 2>/dev/null
-for f in ops gputests torch rows phases torch913 rows913 torch13 rows13; do [ -f $OUT/$f.log ] || continue; echo "== $f"
+for f in ops gputests torch rows again phases torch913 rows913 torch13 rows13; do [ -f $OUT/$f.log ] || continue; echo "== $f"
   grep -E "^(torch|dstrain|deepspeed) +(stage|none)|phases|ready|FAILED|passed|failed|Error" $OUT/$f.log | grep -v "  -  "; done
