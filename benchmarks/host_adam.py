@@ -64,9 +64,9 @@ def main() -> None:
     step = [0]
 
     def update(start, end, factor=0.5, rounded=None):
-        op.adam_update_bf16_grads(adam.opt_id, step[0], 1e-4, 0.9, 0.95, 1e-8, 0.1, True, master.data[start:end],
-                                  grads[start:end], state["exp_avg"][start:end], state["exp_avg_sq"][start:end],
-                                  factor, 1 << 15, rounded)
+        op.adam_update_tiles(adam.opt_id, step[0], 1e-4, 0.9, 0.95, 1e-8, 0.1, True, master.data[start:end],
+                             grads[start:end], state["exp_avg"][start:end], state["exp_avg_sq"][start:end],
+                             factor, 1 << 15, rounded)
 
     def adam_alone():
         step[0] += 1

@@ -31,13 +31,9 @@ SCRIPT = TINY_MLP + """
             time.sleep(0.003)
             return self.op.adam_update(*args)
 
-        def adam_update_bf16_grads(self, *args):
+        def adam_update_tiles(self, *args):
             time.sleep(0.003)
-            return self.op.adam_update_bf16_grads(*args)
-
-        def adam_update_and_round(self, *args):
-            time.sleep(0.003)
-            return self.op.adam_update_and_round(*args)
+            return self.op.adam_update_tiles(*args)
 
         def __getattr__(self, name):
             return getattr(self.op, name)

@@ -6,9 +6,10 @@ so a step on a worker thread stopped the training thread's Python for as long: m
 the overlapped 1.3B step ran about 100 ms slower than on the main thread and the run lost 5-20%.
 This op compiles DeepSpeed's own kernel source (csrc/adam/cpu_adam_impl.cpp, unchanged, included by
 cpu_adam_nogil.cpp beside this file) with a binding of ours that releases the GIL: the same arithmetic,
-bit for bit. The binding adds one update, from bf16 gradients (offload_step.py's bf16_offload_grads),
-which widens them tile by tile and runs DeepSpeed's Step_8 on each. It is JIT-built like DeepSpeed's
-ops, once per machine (about a minute), into the same cache.
+bit for bit. The binding adds one update, adam_update_tiles, which runs DeepSpeed's Step_8 tile by tile
+on gradients held in bf16 (offload_step.py's bf16_offload_grads: widened in cache) or fp32, and can round
+the new weights to bf16 in the same pass (offload_step_zero3.py, parameters offloaded to the host). It is
+JIT-built like DeepSpeed's ops, once per machine (about a minute), into the same cache.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ BINDING = Path(__file__).resolve().parent / "cpu_adam_nogil.cpp"
 
 
 def load_adam_without_gil():
-    """The built op module (create_adam, destroy_adam, adam_update), JIT-built on first use."""
+    """The built op module (create_adam, destroy_adam, adam_update, adam_update_tiles), JIT-built on first use."""
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
     class AdamWithoutGilBuilder(CPUAdamBuilder):

@@ -1,10 +1,10 @@
 // DeepSpeed's CPU Adam (its csrc/adam/cpu_adam_impl.cpp, included unchanged) bound for
 // dstrain/rank/adam_nogil.py. DeepSpeed's own binding holds the GIL through each update; this one
 // releases it, so an update running on dstrain's offload worker thread does not stop the training
-// thread's Python (dstrain/rank/offload_overlap_zero3.py). It adds updates of our own around DeepSpeed's
-// arithmetic: Adam on fp32 weights from bf16 gradients (offload_step.py), which sends half the bytes over
-// the bus, and the new weights rounded to bf16 in the same pass (offload_step_zero3.py, where the
-// bf16 weights live on the host).
+// thread's Python (dstrain/rank/offload_overlap_zero3.py). It adds one update of our own around DeepSpeed's
+// arithmetic, tile by tile: from bf16 gradients (offload_step.py), which cross the bus in half the bytes,
+// and with the new weights rounded to bf16 in the same pass (offload_step_zero3.py, where the bf16
+// weights live on the host).
 #include <omp.h>
 #include <algorithm>
 #include <vector>
@@ -94,35 +94,39 @@ static void check_update_tensors(const torch::Tensor& params,
     TORCH_CHECK(tile > 0 && tile % 1024 == 0, "dstrain cpu adam: tile must be a multiple of 1024");
 }
 
-// DeepSpeed's update, for fp32 weights and states, with the gradients held in bf16: each thread widens
-// one tile of them (times grad_factor, the unscale/clip factor, when it is not 1) into its buffer, which
-// stays in its cache: the weights and moments equal DeepSpeed's update of the widened, multiplied
-// gradients. With `rounded` defined, the new weights also land there in bf16.
-static int adam_update_bf16_grads(int optimizer_id,
-                                  size_t step,
-                                  float lr,
-                                  float beta1,
-                                  float beta2,
-                                  float epsilon,
-                                  float weight_decay,
-                                  bool bias_correction,
-                                  torch::Tensor& params,
-                                  torch::Tensor& grads,
-                                  torch::Tensor& exp_avg,
-                                  torch::Tensor& exp_avg_sq,
-                                  double grad_factor,
-                                  int64_t tile,
-                                  c10::optional<torch::Tensor> rounded)
+// DeepSpeed's update of fp32 weights and states, tile by tile, from gradients held in bf16 or fp32.
+// Each thread widens a tile of bf16 gradients, times grad_factor (the unscale/clip factor) when it is
+// not 1, into its buffer, which stays in its cache; fp32 gradients are read in place, or multiplied into
+// the buffer (the caller's gradients are left as they are). The weights and moments equal DeepSpeed's
+// update of the widened, multiplied gradients. With `rounded`, the new weights also land there in bf16.
+static int adam_update_tiles(int optimizer_id,
+                             size_t step,
+                             float lr,
+                             float beta1,
+                             float beta2,
+                             float epsilon,
+                             float weight_decay,
+                             bool bias_correction,
+                             torch::Tensor& params,
+                             torch::Tensor& grads,
+                             torch::Tensor& exp_avg,
+                             torch::Tensor& exp_avg_sq,
+                             double grad_factor,
+                             int64_t tile,
+                             c10::optional<torch::Tensor> rounded)
 {
-    TORCH_CHECK(grads.scalar_type() == torch::kBFloat16, "adam_update_bf16_grads: gradients must be bfloat16");
+    const bool half = grads.scalar_type() == torch::kBFloat16;
+    TORCH_CHECK(half || grads.scalar_type() == torch::kFloat32,
+                "adam_update_tiles: gradients must be bfloat16 or float32");
     const torch::Tensor no_tensor;
     check_update_tensors(params, grads, exp_avg, exp_avg_sq, rounded ? *rounded : no_tensor, rounded.has_value(),
                          tile);
     Adam_Optimizer* opt =
         prepared_optimizer(optimizer_id, step, lr, beta1, beta2, epsilon, weight_decay, bias_correction);
-    const c10::BFloat16* half_grads = grads.data_ptr<c10::BFloat16>();
     const float factor = static_cast<float>(grad_factor);
     const bool scale = factor != 1.0f;
+    const c10::BFloat16* half_grads = half ? grads.data_ptr<c10::BFloat16>() : nullptr;
+    float* full_grads = half ? nullptr : grads.data_ptr<float>();
     step_in_tiles(opt,
                   params.data_ptr<float>(),
                   exp_avg.data_ptr<float>(),
@@ -131,50 +135,15 @@ static int adam_update_bf16_grads(int optimizer_id,
                   params.numel(),
                   tile,
                   [&](int64_t start, int64_t length, float* buffer) {
+                      if (!half) {
+                          if (!scale) { return full_grads + start; }
+                          for (int64_t k = 0; k < length; ++k) { buffer[k] = full_grads[start + k] * factor; }
+                          return buffer;
+                      }
                       for (int64_t k = 0; k < length; ++k) {
                           const float value = static_cast<float>(half_grads[start + k]);
                           buffer[k] = scale ? value * factor : value;
                       }
-                      return buffer;
-                  });
-    return 0;
-}
-
-// DeepSpeed's update from fp32 gradients (multiplied by grad_factor, when it is not 1, into the thread's
-// buffer: the caller's gradients are left as they are), the new weights also rounded into `rounded`.
-static int adam_update_and_round(int optimizer_id,
-                                 size_t step,
-                                 float lr,
-                                 float beta1,
-                                 float beta2,
-                                 float epsilon,
-                                 float weight_decay,
-                                 bool bias_correction,
-                                 torch::Tensor& params,
-                                 torch::Tensor& grads,
-                                 torch::Tensor& exp_avg,
-                                 torch::Tensor& exp_avg_sq,
-                                 double grad_factor,
-                                 int64_t tile,
-                                 torch::Tensor& rounded)
-{
-    TORCH_CHECK(grads.scalar_type() == torch::kFloat32, "adam_update_and_round: gradients must be float32");
-    check_update_tensors(params, grads, exp_avg, exp_avg_sq, rounded, true, tile);
-    Adam_Optimizer* opt =
-        prepared_optimizer(optimizer_id, step, lr, beta1, beta2, epsilon, weight_decay, bias_correction);
-    float* full_grads = grads.data_ptr<float>();
-    const float factor = static_cast<float>(grad_factor);
-    const bool scale = factor != 1.0f;
-    step_in_tiles(opt,
-                  params.data_ptr<float>(),
-                  exp_avg.data_ptr<float>(),
-                  exp_avg_sq.data_ptr<float>(),
-                  rounded.data_ptr<c10::BFloat16>(),
-                  params.numel(),
-                  tile,
-                  [&](int64_t start, int64_t length, float* buffer) {
-                      if (!scale) { return full_grads + start; }
-                      for (int64_t k = 0; k < length; ++k) { buffer[k] = full_grads[start + k] * factor; }
                       return buffer;
                   });
     return 0;
@@ -188,19 +157,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           &ds_adam_step,
           "DeepSpeed's CPU Adam update, with the GIL released",
           pybind11::call_guard<pybind11::gil_scoped_release>());
-    m.def("adam_update_bf16_grads",
-          &adam_update_bf16_grads,
-          "DeepSpeed's CPU Adam update of fp32 weights from bf16 gradients (and their bf16 rounding, if "
-          "given a tensor for it), with the GIL released",
+    m.def("adam_update_tiles",
+          &adam_update_tiles,
+          "DeepSpeed's CPU Adam update of fp32 weights from bf16 or fp32 gradients, tile by tile (and the new "
+          "weights' bf16 rounding, if given a tensor for it), with the GIL released",
           pybind11::arg("optimizer_id"), pybind11::arg("step"), pybind11::arg("lr"), pybind11::arg("beta1"),
           pybind11::arg("beta2"), pybind11::arg("epsilon"), pybind11::arg("weight_decay"),
           pybind11::arg("bias_correction"), pybind11::arg("params"), pybind11::arg("grads"),
           pybind11::arg("exp_avg"), pybind11::arg("exp_avg_sq"), pybind11::arg("grad_factor"),
           pybind11::arg("tile"), pybind11::arg("rounded") = pybind11::none(),
-          pybind11::call_guard<pybind11::gil_scoped_release>());
-    m.def("adam_update_and_round",
-          &adam_update_and_round,
-          "DeepSpeed's CPU Adam update of fp32 weights from fp32 gradients, the new weights also rounded "
-          "to bf16, with the GIL released",
           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -269,19 +269,14 @@ def adam_chunk_update(adam, group: dict, master, factor: float, op=None, bf16_gr
     weights, exp_avg, exp_avg_sq = master.data, state["exp_avg"], state["exp_avg_sq"]
     adam_update = (op or adam.ds_opt_adam).adam_update
 
-    if bf16_grads is not None:
-        def update_from_bf16(start: int, end: int) -> None:
-            op.adam_update_bf16_grads(adam.opt_id, step, lr, beta1, beta2, eps, decay, bias_correction,
-                                      weights[start:end], bf16_grads[start:end], exp_avg[start:end],
-                                      exp_avg_sq[start:end], factor, tile,
-                                      None if rounded is None else rounded[start:end])
-        return update_from_bf16
-    if rounded is not None:
-        def update_and_round(start: int, end: int) -> None:
-            op.adam_update_and_round(adam.opt_id, step, lr, beta1, beta2, eps, decay, bias_correction,
-                                     weights[start:end], grad.data[start:end], exp_avg[start:end],
-                                     exp_avg_sq[start:end], factor, tile, rounded[start:end])
-        return update_and_round
+    if bf16_grads is not None or rounded is not None:  # dstrain's op: tiles widened (bf16) and/or rounded
+        grads = bf16_grads if bf16_grads is not None else grad.data
+
+        def update_tiles(start: int, end: int) -> None:
+            op.adam_update_tiles(adam.opt_id, step, lr, beta1, beta2, eps, decay, bias_correction,
+                                 weights[start:end], grads[start:end], exp_avg[start:end], exp_avg_sq[start:end],
+                                 factor, tile, None if rounded is None else rounded[start:end])
+        return update_tiles
 
     def update(start: int, end: int) -> None:
         grad_chunk = grad.data[start:end]
