@@ -14,6 +14,8 @@
 #           thread, the step before the forward; then PART=2's rows
 #   PART=5  406M, the shipped tree with its peers: torch; dstrain, the hand loop and Lightning on the two
 #           offload presets; dstrain's stage3_offload again last
+#   PART=6  a shape named nowhere before (20 x 1536, 12 heads, vocabulary 32,000, sequence 2048, micro batch 4;
+#           615M): torch; dstrain, the hand loop and Lightning on stage3_offload; dstrain's stage2_offload
 set -u
 W=/tmp/wfix; mkdir -p $W
 S="python3 benchmarks/suite.py --work $W --gpus 1 --row-timeout 200"
@@ -67,6 +69,13 @@ case ${PART:-1} in
        --variant "ph_seq@deepspeed=+dstrain_offload;+phases;+env:DSTRAIN_OFFLOAD_OVERLAP=off" > $OUT/phases.log 2>&1
      rows_913_13 ;;
   2) rows_913_13 ;;
+  6) M615="--n-layer 20 --d-model 1536 --n-head 12 --vocab-size 32000 --seq-len 2048 --micro-batch 4"
+     ops & OPSPID=$!
+     $S $M615 --steps 60 --out $OUT/r --runners torch --presets stage2 > $OUT/torch.log 2>&1
+     wait $OPSPID
+     $S $M615 --steps 40 --out $OUT/r --runners dstrain,deepspeed,lightning --presets stage3_offload > $OUT/rows.log 2>&1
+     $S $M615 --steps 40 --out $OUT/r --runners dstrain --presets stage3_offload,stage2_offload --no-base \
+       --variant "again@dstrain=" > $OUT/again.log 2>&1 ;;
   5) ops & OPSPID=$!
      $S $M406 --steps 60 --out $OUT/r --runners torch --presets stage2 > $OUT/torch.log 2>&1
      wait $OPSPID
@@ -80,4 +89,4 @@ rm -rf $OUT/r $OUT/r913 $OUT/r13
 grep -h "activation checkpointing o\|CPU offload, dstrain" $W/*.log 2>/dev/null | sed 's/^\[ *[0-9.]*s\] //' | sort | uniq -c | head -6
 cat $OUT/host_adam.log 2>/dev/null
 for f in ops gputests torch rows again phases torch913 rows913 torch13 rows13; do [ -f $OUT/$f.log ] || continue; echo "== $f"
-  grep -E "^(torch|dstrain|deepspeed) +(stage|none)|phases|ready|FAILED|passed|failed|Error" $OUT/$f.log | grep -v "  -  "; done
+  grep -E "^(torch|dstrain|deepspeed|lightning) +(stage|none)|phases|ready|FAILED|passed|failed|Error" $OUT/$f.log | grep -v "  -  "; done
