@@ -52,48 +52,6 @@ static void step_in_tiles(Adam_Optimizer* opt,
     }
 }
 
-static Adam_Optimizer* prepared_optimizer(int optimizer_id,
-                                          size_t step,
-                                          float lr,
-                                          float beta1,
-                                          float beta2,
-                                          float epsilon,
-                                          float weight_decay,
-                                          bool bias_correction)
-{
-    auto found = s_optimizers.find(optimizer_id);
-    TORCH_CHECK(found != s_optimizers.end(), "dstrain cpu adam: no optimizer with this id");
-    Adam_Optimizer* opt = static_cast<Adam_Optimizer*>(found->second.get());
-    opt->IncrementStep(step, beta1, beta2);
-    opt->update_state(lr, epsilon, weight_decay, bias_correction);
-    return opt;
-}
-
-static void check_update_tensors(const torch::Tensor& params,
-                                 const torch::Tensor& grads,
-                                 const torch::Tensor& exp_avg,
-                                 const torch::Tensor& exp_avg_sq,
-                                 const torch::Tensor& rounded,
-                                 bool with_rounded,
-                                 int64_t tile)
-{
-    TORCH_CHECK(params.scalar_type() == torch::kFloat32 && exp_avg.scalar_type() == torch::kFloat32 &&
-                    exp_avg_sq.scalar_type() == torch::kFloat32,
-                "dstrain cpu adam: weights and moments must be float32");
-    TORCH_CHECK(params.is_contiguous() && grads.is_contiguous() && exp_avg.is_contiguous() &&
-                    exp_avg_sq.is_contiguous(),
-                "dstrain cpu adam: tensors must be contiguous");
-    const int64_t n = params.numel();
-    TORCH_CHECK(grads.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
-                "dstrain cpu adam: tensors must have the same size");
-    if (with_rounded) {
-        TORCH_CHECK(rounded.scalar_type() == torch::kBFloat16 && rounded.is_contiguous() &&
-                        rounded.numel() == n && rounded.device().is_cpu(),
-                    "dstrain cpu adam: the rounded weights must be a contiguous bf16 host tensor of the same size");
-    }
-    TORCH_CHECK(tile > 0 && tile % 1024 == 0, "dstrain cpu adam: tile must be a multiple of 1024");
-}
-
 // DeepSpeed's update of fp32 weights and states, tile by tile, from gradients held in bf16 or fp32.
 // Each thread widens a tile of bf16 gradients, times grad_factor (the unscale/clip factor) when it is
 // not 1, into its buffer, which stays in its cache; fp32 gradients are read in place, or multiplied into
@@ -118,11 +76,24 @@ static int adam_update_tiles(int optimizer_id,
     const bool half = grads.scalar_type() == torch::kBFloat16;
     TORCH_CHECK(half || grads.scalar_type() == torch::kFloat32,
                 "adam_update_tiles: gradients must be bfloat16 or float32");
-    const torch::Tensor no_tensor;
-    check_update_tensors(params, grads, exp_avg, exp_avg_sq, rounded ? *rounded : no_tensor, rounded.has_value(),
-                         tile);
-    Adam_Optimizer* opt =
-        prepared_optimizer(optimizer_id, step, lr, beta1, beta2, epsilon, weight_decay, bias_correction);
+    TORCH_CHECK(params.scalar_type() == torch::kFloat32 && exp_avg.scalar_type() == torch::kFloat32 &&
+                    exp_avg_sq.scalar_type() == torch::kFloat32,
+                "adam_update_tiles: weights and moments must be float32");
+    TORCH_CHECK(params.is_contiguous() && grads.is_contiguous() && exp_avg.is_contiguous() &&
+                    exp_avg_sq.is_contiguous(),
+                "adam_update_tiles: tensors must be contiguous");
+    const int64_t n = params.numel();
+    TORCH_CHECK(grads.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
+                "adam_update_tiles: tensors must have the same size");
+    TORCH_CHECK(!rounded || (rounded->scalar_type() == torch::kBFloat16 && rounded->is_contiguous() &&
+                             rounded->numel() == n && rounded->device().is_cpu()),
+                "adam_update_tiles: the rounded weights must be a contiguous bf16 host tensor of the same size");
+    TORCH_CHECK(tile > 0 && tile % 1024 == 0, "adam_update_tiles: tile must be a multiple of 1024");
+    auto found = s_optimizers.find(optimizer_id);
+    TORCH_CHECK(found != s_optimizers.end(), "adam_update_tiles: no optimizer with this id");
+    Adam_Optimizer* opt = static_cast<Adam_Optimizer*>(found->second.get());
+    opt->IncrementStep(step, beta1, beta2);
+    opt->update_state(lr, epsilon, weight_decay, bias_correction);
     const float factor = static_cast<float>(grad_factor);
     const bool scale = factor != 1.0f;
     const c10::BFloat16* half_grads = half ? grads.data_ptr<c10::BFloat16>() : nullptr;
@@ -132,7 +103,7 @@ static int adam_update_tiles(int optimizer_id,
                   exp_avg.data_ptr<float>(),
                   exp_avg_sq.data_ptr<float>(),
                   rounded ? rounded->data_ptr<c10::BFloat16>() : nullptr,
-                  params.numel(),
+                  n,
                   tile,
                   [&](int64_t start, int64_t length, float* buffer) {
                       if (!half) {
