@@ -147,6 +147,15 @@ def count_model(build_fn: Callable[[], Any]) -> tuple[int, int]:
 
     with torch.device("meta"), _initializers_skipped():
         model = build_fn()
-    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
-    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return parameter_counts(model)
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(total parameters, largest single module's direct parameters) of a built model, full sizes also
+    where ZeRO-3 built it partitioned (ds_numel). Shared (tied) parameters count once."""
+    def numel(p):
+        return getattr(p, "ds_numel", p.numel())
+
+    total = sum(numel(p) for p in model.parameters())  # parameters() yields a tied tensor once
+    largest = max((sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return total, largest

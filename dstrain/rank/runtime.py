@@ -127,25 +127,18 @@ def checkpointing_wanted(config, ds_config: dict, model, device) -> tuple[bool, 
     with why (None where the user chose)."""
     if config.train.activation_checkpointing != "auto":
         return bool(config.train.activation_checkpointing), None
-    import torch
+    from dataclasses import replace
 
-    from dstrain.tools.estimate import memory as E
+    from dstrain.models import parameter_counts
+    from dstrain.tools.estimate.memory import detect_hardware
     from dstrain.tools.estimate.planner import checkpointing_decision
 
-    def numel(p):  # ZeRO-3 builds partitioned parameters: their full size is ds_numel
-        return getattr(p, "ds_numel", p.numel())
-
-    total = sum(numel(p) for p in model.parameters())
-    largest = max((sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    total, largest = parameter_counts(model)
+    hw = detect_hardware()  # the smallest visible GPU: a node's ranks decide alike
+    if device.type != "cuda":  # CPU ranks share the host's RAM
+        hw = replace(hw, gpu_mem_bytes=hw.cpu_mem_bytes, accelerator="cpu")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // per_node)
-    host = E.host_ram_bytes()
-    if device.type == "cuda":
-        memory = torch.cuda.get_device_properties(device).total_memory
-        hw = E.Hardware(gpus_per_node=per_node, nodes=nodes, gpu_mem_bytes=memory, cpu_mem_bytes=host)
-    else:
-        hw = E.Hardware(gpus_per_node=per_node, nodes=nodes, gpu_mem_bytes=host, cpu_mem_bytes=host,
-                        accelerator="cpu")
+    hw = replace(hw, gpus_per_node=per_node, nodes=max(1, int(os.environ.get("WORLD_SIZE", "1")) // per_node))
     return checkpointing_decision(config, ds_config, total, largest, hw)
 
 

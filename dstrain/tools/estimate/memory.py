@@ -632,7 +632,7 @@ def recommend(estimates: list[PresetEstimate]) -> tuple[str | None, str]:
 # --------------------------------------------------------------------------- hardware and model
 
 
-def host_ram_bytes() -> int:
+def _host_ram_bytes() -> int:
     """MemTotal from /proc/meminfo; the sysconf page count elsewhere."""
     try:
         with open("/proc/meminfo") as fh:
@@ -653,7 +653,7 @@ def detect_hardware() -> Hardware:
     """
     import torch
 
-    host = host_ram_bytes()
+    host = _host_ram_bytes()
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         count = torch.cuda.device_count()
         mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
