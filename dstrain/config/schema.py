@@ -24,18 +24,43 @@ class Section(BaseModel):
 
 
 class LoraConfig(Section):
-    """LoRA adapters through the peft package (docs/fine-tuning.md): the base weights are frozen,
-    only the adapters train, and export merges them into the base weights."""
+    """LoRA adapters through the peft package (docs/fine-tuning.md): the base weights are frozen, only
+    the adapters (and modules_to_save) train. This class is the one table of LoRA options: each field
+    is passed to the peft.LoraConfig argument PEFT_ARGUMENTS names, and docs/fine-tuning.md shows the
+    same table (tests/test_lora_options.py keeps the two equal)."""
 
     r: PositiveInt = 8
     """Rank of the adapter matrices."""
     alpha: PositiveFloat = 16.0
-    """Scaling numerator: the adapter's update is multiplied by alpha / r."""
-    target_modules: list[str] | None = None
-    """Names (or name suffixes) of the modules that get adapters, e.g. [q_proj, v_proj]; left unset,
-    peft's default for the architecture (q_proj and v_proj for Llama, c_attn for GPT-2)."""
+    """Scaling numerator: the adapter's update is multiplied by alpha / r, or alpha / sqrt(r) with
+    use_rslora."""
+    target_modules: list[str] | Literal["all-linear"] | None = None
+    """Names (or name suffixes) of the modules that get adapters, e.g. [q_proj, v_proj], or "all-linear"
+    (every linear layer but the output head); unset: peft's default for the architecture (q_proj and
+    v_proj for Llama, c_attn for GPT-2). A name that matches no module is an error listing the model's
+    linear layers."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter's input."""
+    modules_to_save: list[str] = []
+    """Modules trained whole beside the adapters and saved with them, e.g. [lm_head, embed_tokens] after
+    adding tokens."""
+    use_dora: bool = False
+    """DoRA: the low-rank update goes to the weight's direction, and a per-output magnitude vector trains
+    too (slower steps than LoRA)."""
+    use_rslora: bool = False
+    """rsLoRA: scale by alpha / sqrt(r) instead of alpha / r, steadier at high ranks."""
+    quantize: Literal["nf4"] | None = None
+    """QLoRA: "nf4" loads the frozen base weights in 4-bit NormalFloat through bitsandbytes (bf16 compute,
+    double quantization), about a quarter of their bf16 memory. GPU ranks and ZeRO stages 0-2 only;
+    needs `pip install 'dstrain[qlora]'`. The adapters train in the run's precision; export them with
+    the "peft" format (a merged "hf" export of a 4-bit base is refused). Unset: the base is loaded in
+    model.kwargs.dtype."""
+
+
+# LoraConfig field -> the peft.LoraConfig argument it is passed to (quantize is dstrain's own: it picks
+# how the base model is loaded, not an adapter option).
+PEFT_ARGUMENTS = {"r": "r", "alpha": "lora_alpha", "target_modules": "target_modules", "dropout": "lora_dropout",
+                  "modules_to_save": "modules_to_save", "use_dora": "use_dora", "use_rslora": "use_rslora"}
 
 
 class ModelConfig(Section):

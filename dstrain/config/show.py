@@ -55,7 +55,7 @@ def resolved_config(resolved: ResolvedConfig, *, explain: bool, deepspeed_json: 
 
 
 def plan_lines(config, ds_config: dict, world: int, accelerator: str, preset: str | None,
-               param_count: int | None = None) -> list[str]:
+               param_count: int | None = None, trainable: int | None = None) -> list[str]:
     """The run plan: batch arithmetic, tokens per step, where states live (printed by run and rank 0)."""
     t = config.train
     zero = ds_config.get("zero_optimization") or {}
@@ -79,5 +79,6 @@ def plan_lines(config, ds_config: dict, world: int, accelerator: str, preset: st
         f"optimizer states: {where_opt}, {sharded(stage >= 1)}",
     ]
     if param_count is not None:
-        lines.append(f"model: {config.model.name}, {param_count:,} parameters")
+        trains = "" if trainable is None else f", {trainable:,} trainable ({100 * trainable / max(param_count, 1):.2f}%)"
+        lines.append(f"model: {config.model.name}, {param_count:,} parameters{trains}")
     return lines

@@ -63,7 +63,7 @@ def launch(o: LaunchOptions) -> int:
 def _check_and_start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelerator: str, run_dir: Path,
                      port: int, command: list[str], early: early_start.EarlyStart | None, console: Console) -> int:
     """The checks that import torch and DeepSpeed, the plan, then the run directory and the ranks."""
-    params = check_runtime(resolved)
+    params = check_runtime(resolved)  # (total, trainable)
     for warning in resolved.warnings:
         warn(warning)
 
@@ -198,10 +198,10 @@ def _resume_target(o: LaunchOptions, run_dir: Path, resolved: ResolvedConfig, wo
     return resume_info, notes
 
 
-def _print_plan(resolved: ResolvedConfig, world: int, accelerator: str, params: int, notes: list[str],
+def _print_plan(resolved: ResolvedConfig, world: int, accelerator: str, params: tuple[int, int], notes: list[str],
                 resume_info: dict | None, console: Console) -> None:
     from dstrain.config.show import plan_lines
-    for line in plan_lines(resolved.config, resolved.ds_config, world, accelerator, resolved.preset, params):
+    for line in plan_lines(resolved.config, resolved.ds_config, world, accelerator, resolved.preset, *params):
         console.print(line, soft_wrap=True)
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")

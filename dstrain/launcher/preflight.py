@@ -26,11 +26,14 @@ def _fit_nvme_swap_buffer(resolved: ResolvedConfig, largest: int) -> None:
                                  "the model's largest parameter must fit one NVMe swap buffer")
 
 
-def check_runtime(resolved: ResolvedConfig) -> int:
+def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
     """Checks that import DeepSpeed/torch: DeepSpeed's config models, the model (built on the meta
-    device: no memory) and the data source. Returns the parameter count."""
+    device: no memory) and the data source. Returns the parameter count and how many of them train."""
     from dstrain.config import deepspeed_models
     problems = deepspeed_models.validate(resolved.ds_config)
+    if resolved.config.model.lora is not None:
+        from dstrain.models.hf import check_quantize
+        problems += check_quantize(resolved.config, resolved.ds_config, resolved.accelerator)
     if problems:
         raise UserError(problems)
     from dstrain.models import check_model
@@ -45,7 +48,7 @@ def check_runtime(resolved: ResolvedConfig) -> int:
     check_trackers(resolved)
     _fit_nvme_swap_buffer(resolved, facts.largest)
     _fetch_blocks_whole(resolved, facts.block_class)
-    return facts.params
+    return facts.params, facts.trainable
 
 
 def _fetch_blocks_whole(resolved: ResolvedConfig, block_class: str | None) -> None:

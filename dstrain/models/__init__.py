@@ -86,6 +86,7 @@ class ModelFacts(NamedTuple):
     """What the pre-launch check learns from the model built on the meta device."""
 
     params: int         # parameters, tied ones once
+    trainable: int      # of which reach the optimizer (LoRA adapters, train.trainable / train.frozen)
     largest: int        # the largest single module's direct parameters
     block_class: str | None  # qualified class of an hf: model's repeated block (its transformer layer)
 
@@ -102,13 +103,14 @@ def check_model(config: RunConfig) -> ModelFacts:
     if config.train.init_from:
         setup.check_init_keys(config, model)
     setup.check_patterns(config, model)
+    setup.apply_freezing(config, model)  # on the meta model: only to count what trains
     block = None
     if hf.is_hf(config.model.name):
         hf.check_vocab(config, model.model.config)  # peft's wrapper forwards .config
         if Path(hf.source_of(config)).is_dir():  # a hub id is downloaded by the ranks, not here
             hf.weight_files(config)
         block = hf.block_class(model)
-    return ModelFacts(params, largest, block)
+    return ModelFacts(params, trainable_parameters(model), largest, block)
 
 
 def flops_per_token(model, config: RunConfig, n_params: int) -> float:
@@ -148,6 +150,11 @@ def count_model(build_fn: Callable[[], Any]) -> tuple[int, int]:
     with torch.device("meta"), _initializers_skipped():
         model = build_fn()
     return parameter_counts(model)
+
+
+def trainable_parameters(model) -> int:
+    """Parameters that reach the optimizer, full sizes also where ZeRO-3 partitioned them; tied ones once."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
 
 
 def parameter_counts(model) -> tuple[int, int]:

@@ -13,6 +13,7 @@ transformers and peft are optional (the `hf` extra): without them a clear UserEr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dstrain.config.schema import LoraConfig, RunConfig
+from dstrain.config.schema import PEFT_ARGUMENTS, LoraConfig, RunConfig
 from dstrain.rundir import HF_SOURCE
 from dstrain.errors import UserError, require_package
 
@@ -189,8 +190,11 @@ def build_pretrained(config: RunConfig, ds_config: dict, device: torch.device) -
         transformers = require("transformers", where(config))
         transformers.utils.logging.disable_progress_bar()  # one bar per rank says nothing
         build, load, _ = _split_kwargs(config)
+        quantized = config.model.lora is not None and config.model.lora.quantize is not None
+        if quantized:  # bitsandbytes quantizes while loading, onto this rank's GPU
+            build.update(quantization_config=_bnb_config(transformers), device_map={"": device})
         try:
-            with torch.device(device):
+            with torch.device(device) if not quantized else contextlib.nullcontext():
                 model, info = transformers.AutoModelForCausalLM.from_pretrained(
                     source_of(config), config=hf_config, output_loading_info=True, **build, **load)
         except (OSError, RuntimeError, ValueError) as err:  # unreadable or mismatched weight files
@@ -200,7 +204,44 @@ def build_pretrained(config: RunConfig, ds_config: dict, device: torch.device) -
                                    "describes (save_pretrained writes both)") from None
         _raise_if_not_loaded(config, {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys",
                                                                                      "mismatched_keys")})
+        if quantized:
+            # peft's preparation for a quantized base: every base weight frozen, norms and other small
+            # float weights in fp32; activation checkpointing stays dstrain's choice (train.activation_checkpointing).
+            model = require("peft", "model.lora").prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return CausalLM(apply_lora(model, config.model.lora))
+
+
+def _bnb_config(transformers):
+    """model.lora.quantize: nf4: QLoRA's recipe (4-bit NormalFloat, double quantization, bf16 compute)."""
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def check_quantize(config: RunConfig, ds_config: dict, accelerator: str) -> list:
+    """Where QLoRA cannot run, before any rank starts: bitsandbytes' 4-bit kernels are CUDA only, ZeRO-3
+    would partition the packed 4-bit weights (dstrain builds no quantized zero.Init model), and the
+    package must be installed. Returns Problems."""
+    import importlib.util
+
+    from dstrain.errors import Problem
+    lora = config.model.lora
+    if lora is None or lora.quantize is None:
+        return []
+    where = "model.lora.quantize"
+    problems = []
+    if accelerator != "cuda":
+        problems.append(Problem(f"{lora.quantize} quantization runs on CUDA GPUs only (bitsandbytes' 4-bit kernels), "
+                                "and these ranks are CPU ranks", where,
+                                "run on GPUs (--accelerator cuda), or drop model.lora.quantize to train LoRA on CPU"))
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if stage == 3:
+        problems.append(Problem("a 4-bit base model is not supported at ZeRO stage 3 (its packed weights would be "
+                                "partitioned)", where,
+                                "use a stage 0-2 preset (e.g. --preset stage2: the frozen 4-bit base is small), "
+                                "or drop model.lora.quantize"))
+    if importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(Problem("bitsandbytes is not installed", where, "pip install 'dstrain[qlora]'"))
+    return problems
 
 
 def _build_zero3(config: RunConfig, ds_config: dict, hf_config) -> nn.Module:
@@ -290,21 +331,60 @@ def weight_files(config: RunConfig) -> list[Path]:
 # ------------------------------------------------------------------ LoRA
 
 
+def peft_config(lora: LoraConfig):
+    """The peft.LoraConfig of model.lora: each option passed under its peft name (schema.PEFT_ARGUMENTS)."""
+    peft = require("peft", "model.lora")
+    options = {PEFT_ARGUMENTS[key]: getattr(lora, key) for key in PEFT_ARGUMENTS}
+    options["modules_to_save"] = options["modules_to_save"] or None
+    return peft.LoraConfig(task_type="CAUSAL_LM", **options)
+
+
+def linear_layers(model: nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (what target_modules usually names)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if type(module).__name__ in ("Linear", "Conv1D", "Linear4bit")})
+
+
+def _check_module_names(model: nn.Module, lora: LoraConfig) -> None:
+    """Every name in target_modules and modules_to_save must match a module, as peft matches them (the
+    full name or its last dotted parts): peft places adapters on the names that match and silently
+    drops the rest as long as one matched."""
+    from dstrain.errors import Problem
+    names = [name for name, _ in model.named_modules() if name]
+
+    def matches(target: str) -> bool:
+        return any(name == target or name.endswith("." + target) for name in names)
+
+    linear = ", ".join(linear_layers(model))
+    problems = []
+    if isinstance(lora.target_modules, list):
+        unknown = [t for t in lora.target_modules if not matches(t)]
+        if unknown:
+            problems.append(Problem(f"{', '.join(unknown)}: no module of the model has this name",
+                                    "model.lora.target_modules",
+                                    f"name the model's linear layers ({linear}) or write all-linear"))
+    unknown = [t for t in lora.modules_to_save if not matches(t)]
+    if unknown:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and not list(m.children())})
+        problems.append(Problem(f"{', '.join(unknown)}: no module of the model has this name",
+                                "model.lora.modules_to_save", f"name modules the model has, e.g. {', '.join(leaves)}"))
+    if problems:
+        raise UserError(problems)
+
+
 def apply_lora(model: nn.Module, lora: LoraConfig | None) -> nn.Module:
     """The model with LoRA adapters (peft), base weights frozen; unchanged without model.lora."""
     if lora is None:
         return model
     peft = require("peft", "model.lora")
-    peft_config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=lora.target_modules,
-                                  lora_dropout=lora.dropout, task_type="CAUSAL_LM")
+    config = peft_config(lora)
+    _check_module_names(model, lora)
     try:
-        return peft.get_peft_model(model, peft_config)
+        return peft.get_peft_model(model, config)
     except ValueError as err:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if type(module).__name__ in ("Linear", "Conv1D")})
         raise UserError.single(f"peft cannot place the adapters: {str(err).splitlines()[0]}",
-                               "model.lora.target_modules",
-                               f"name modules the model has, e.g. among its linear layers: {', '.join(linear)}") from None
+                               "model.lora", f"target the model's linear layers ({', '.join(linear_layers(model))}), "
+                               "or drop the option peft refuses for them") from None
 
 
 def lora_layers(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -342,7 +422,8 @@ def check_vocab(config: RunConfig, hf_config) -> None:
 
 def save_source(config: RunConfig, run_dir: Path) -> None:
     """Copy config.json, generation_config.json, tokenizer files (and a remote-code model's .py files)
-    into <run_dir>/hf_source, plus the LoRA settings, for `convert-checkpoint --format hf`."""
+    into <run_dir>/hf_source, plus model.lora as peft's adapter_config.json, for `convert-checkpoint
+    --format hf / peft` (rank 0 adds each LoRA layer's scaling and layout)."""
     target = run_dir / HF_SOURCE
     target.mkdir(parents=True, exist_ok=True)
     source = Path(source_of(config))
@@ -353,6 +434,10 @@ def save_source(config: RunConfig, run_dir: Path) -> None:
                 shutil.copyfile(path, target / path.name)
     else:  # a hub id: the same files, through transformers (cached by huggingface_hub)
         _save_from_hub(config, target)
+    if config.model.lora is not None:  # for `--format peft`: the adapters' peft config, naming the base model
+        adapter = peft_config(config.model.lora)
+        adapter.base_model_name_or_path = str(source.resolve()) if source.is_dir() else source_of(config)
+        adapter.save_pretrained(str(target))
 
 
 def _save_from_hub(config: RunConfig, target: Path) -> None:
