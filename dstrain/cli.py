@@ -233,8 +233,8 @@ def convert_cmd(
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 5GB: shards + index JSON (Hugging Face layout)."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUTPUT if it exists."),
     to_universal: bool = typer.Option(False, "--to-universal", help="Write a DeepSpeed universal checkpoint (resume with another world size)."),
-    output_format: str = typer.Option("file", "--format", help="file (one weights file, by OUTPUT's suffix) or hf (a folder from_pretrained loads; hf: models)."),
-    hf_source: Optional[Path] = typer.Option(None, "--hf-source", help="With --format hf: the folder with config.json and tokenizer (default: the run's hf_source/)."),
+    output_format: str = typer.Option("file", "--format", help="file (one weights file, by OUTPUT's suffix), hf (a folder from_pretrained loads; hf: models) or peft (the LoRA adapters alone, a folder PeftModel.from_pretrained loads on the base model)."),
+    hf_source: Optional[Path] = typer.Option(None, "--hf-source", help="With --format hf or peft: the folder with config.json and tokenizer (default: the run's hf_source/)."),
 ) -> None:
     """Consolidate sharded ZeRO checkpoints (any stage, any rank count) into one weights file.
 
@@ -249,12 +249,19 @@ def convert_cmd(
       dstrain convert-checkpoint runs/x/checkpoints runs/x/universal --to-universal
 
       dstrain convert-checkpoint runs/x/checkpoints out/llama-ft --format hf --dtype bf16
+
+      dstrain convert-checkpoint runs/x/checkpoints out/llama-adapter --format peft
     """
     from rich.console import Console
     from dstrain.tools import convert
     console = Console(highlight=False)
-    if output_format not in ("file", "hf"):
-        raise UserError.single(f"unknown format {output_format!r}", "--format", "use file or hf")
+    if output_format not in ("file", "hf", "peft"):
+        raise UserError.single(f"unknown format {output_format!r}", "--format", "use file, hf or peft")
+    if output_format == "peft":
+        from dstrain.tools.convert.peft_folder import export_peft_folder
+        export = export_peft_folder(checkpoint_dir, output, tag=tag, dtype=dtype, force=force, source=hf_source)
+        console.print(export.summary(), soft_wrap=True)
+        return
     if output_format == "hf":
         from dstrain.tools.convert.hf_folder import export_hf_folder
         export = export_hf_folder(checkpoint_dir, output, tag=tag, dtype=dtype, max_shard_size=max_shard_size,

@@ -245,9 +245,11 @@ class TrainConfig(Section):
     complete checkpoint stays `latest`). Start-up, the first step and checkpoint saves get three times
     this. "auto": 600 on GPU, 1800 on CPU; 0 turns hang detection off. NCCL/gloo collectives time out
     at three times this plus 60 s, so a hang ends even without the watchdog."""
-    export_final: bool | Literal["safetensors", "hf"] = False
+    export_final: bool | Literal["safetensors", "hf", "peft"] = False
     """At the end, also write consolidated weights: true or "safetensors" to <run_dir>/final.safetensors,
-    "hf" (for "hf:" models) a folder AutoModelForCausalLM.from_pretrained loads, <run_dir>/final_hf."""
+    "hf" (for "hf:" models) a folder AutoModelForCausalLM.from_pretrained loads, <run_dir>/final_hf,
+    "peft" (for model.lora) the adapters alone, a folder peft.PeftModel.from_pretrained loads on the
+    base model, <run_dir>/final_adapter."""
     export_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Floating-point dtype of the train.export_final weights."""
     init_from: str | None = None

@@ -138,9 +138,15 @@ def _explain_write_failure(err: Exception, tag_dir: Path) -> None:
 
 
 def export_final(run_dir: Path, step: int, launch: dict, how: bool | str = True, dtype: str = "fp32") -> None:
-    """train.export_final: the final checkpoint as one safetensors file, or ("hf") a Hugging Face model
-    folder (rank 0, after the last save)."""
+    """train.export_final: the final checkpoint as one safetensors file, ("hf") a Hugging Face model
+    folder or ("peft") the LoRA adapters as a peft folder (rank 0, after the last save)."""
     from dstrain.tools.convert import convert_checkpoint
+    if how == "peft":
+        from dstrain.tools.convert.peft_folder import export_peft_folder
+        export = export_peft_folder(run_dir / CHECKPOINTS, run_dir / "final_adapter", tag=tag_for(step), dtype=dtype,
+                                    force=True)
+        print(export.summary())
+        return
     if how == "hf":
         from dstrain.tools.convert.hf_folder import export_hf_folder
         export = export_hf_folder(run_dir / CHECKPOINTS, run_dir / "final_hf", tag=tag_for(step), dtype=dtype,

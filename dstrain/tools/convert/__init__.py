@@ -3,7 +3,8 @@
 This package: reader.py (the checkpoint directory), plan.py (where every tensor goes), zero_shards.py
 (streaming the fp32 master weights out of the rank files), writer.py (safetensors/.pt, shards, index),
 formats.py (dtypes and sizes), universal.py (DeepSpeed's universal checkpoint), hf_folder.py (`--format hf`:
-a folder transformers' from_pretrained loads). Offline: it runs in
+a folder transformers' from_pretrained loads), peft_folder.py (`--format peft`: the LoRA adapters alone, a
+folder peft's PeftModel.from_pretrained loads on the base model). Offline: it runs in
 its own process, never inside the ranks, except `train.export_final` (rank 0, after the last save).
 
 `convert_checkpoint` reads the files `engine.save_checkpoint(dir, tag=...)` writes and

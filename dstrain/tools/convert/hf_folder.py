@@ -6,7 +6,8 @@ The checkpoint is first consolidated to one fp32 safetensors file by the ordinar
 (dstrain's `model.` wrapper and peft's `base_model.model.` removed), LoRA adapters are merged into
 their base weights (W + scaling * B @ A), tied copies are dropped as save_pretrained drops them, and
 the tensors are written block by block, cast to the asked dtype, into safetensors shards with
-model.safetensors.index.json. config.json (its dtype set), generation_config.json and the tokenizer
+model.safetensors.index.json (DoRA's magnitude applied; a modules_to_save module's trained copy
+written as the module's weights). config.json (its dtype set), generation_config.json and the tokenizer
 files come from the run directory's hf_source/, which `dstrain run` copied from the model at launch.
 The folder is renamed into place at the end, so a failure leaves nothing half-written.
 """
@@ -89,7 +90,7 @@ def export_hf_folder(checkpoint_dir: Path, output: Path, *, tag: str | None = No
     from dstrain.tools.convert import convert_checkpoint
 
     source_dir = find_source(checkpoint_dir, source)
-    with _staging(output, dtype, force) as temp:
+    with staging(output, dtype, force) as temp:
         consolidated = temp / "consolidated.safetensors"
         report = convert_checkpoint(checkpoint_dir, consolidated, tag=tag, dtype="fp32")
         export = write_folder(consolidated, source_dir, temp, dtype, max_shard_size)
@@ -101,14 +102,14 @@ def export_hf_folder(checkpoint_dir: Path, output: Path, *, tag: str | None = No
 def folder_from_weights(weights: Path, source_dir: Path, output: Path, *, dtype: str = "fp32",
                         max_shard_size: str | int | None = None, force: bool = False) -> HfExport:
     """The same from a consolidated .safetensors (as convert-checkpoint writes it: the model's state_dict keys)."""
-    with _staging(output, dtype, force) as temp:
+    with staging(output, dtype, force) as temp:
         export = write_folder(Path(weights), Path(source_dir), temp, dtype, max_shard_size)
     export.folder = Path(output)
     return export
 
 
 @contextmanager
-def _staging(output: Path, dtype: str, force: bool) -> Iterator[Path]:
+def staging(output: Path, dtype: str, force: bool) -> Iterator[Path]:
     """A temporary folder next to OUTPUT, renamed to OUTPUT when the block succeeds, removed in any case."""
     if dtype not in DTYPES:
         raise UserError.single(f"unknown dtype {dtype!r}", "--dtype", f"use one of: {', '.join(DTYPES)}")
@@ -152,16 +153,23 @@ def _plan(consolidated: Path, lora: dict[str, dict], dtype: torch.dtype, source_
         shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
         stored = {key: stored_dtypes[handle.get_slice(key).get_dtype()] for key in handle.keys()}
     by_name = {own_key(k): k for k in shapes}
+    quantized = sorted(n for n in by_name if ".quant_state." in n or n.endswith((".absmax", ".quant_map")))
+    if quantized:
+        raise UserError.single(f"the checkpoint's base weights are 4-bit (bitsandbytes: {quantized[0]}, ...): "
+                               "merging adapters into them would not give the trained model's weights",
+                               "--format hf", "export the adapters alone with --format peft (train.export_final: "
+                               "peft) and load them on the base model with peft")
     outs = []
     for name, key in by_name.items():
-        if ".lora_" in name:
-            continue  # merged into its base weight below
+        if ".lora_" in name or ".original_module." in name:
+            continue  # adapters: merged into their base weight below; a modules_to_save module's frozen original
         entry = None
+        name = name.replace(".modules_to_save.default.", ".")  # modules_to_save: the trained copy is the weight
         module, _, leaf = name.rpartition(".base_layer.")
         if module and module in lora:
             if leaf == "weight":
                 entry = {"a": by_name[f"{module}.lora_A.default.weight"], "b": by_name[f"{module}.lora_B.default.weight"],
-                         **lora[module]}
+                         "magnitude": by_name.get(f"{module}.lora_magnitude_vector.default.weight"), **lora[module]}
             name = f"{module}.{leaf}"
         out_dtype = dtype if stored[key].is_floating_point else stored[key]  # integer buffers keep theirs
         outs.append(_Out(Tensor(name, name, shapes[key], out_dtype, True), key, entry))
@@ -203,11 +211,7 @@ def _aliases_of(name: str, aliases: dict[int, list[str]]) -> list[str]:
 def _value_blocks(handle, out: _Out) -> Iterator[torch.Tensor]:
     """The output tensor's values, flat, in blocks of about BLOCK_ELEMENTS (merged ones whole)."""
     if out.lora:
-        base = handle.get_tensor(out.base)
-        delta = handle.get_tensor(out.lora["b"]) @ handle.get_tensor(out.lora["a"])
-        if out.lora["fan_in_fan_out"]:
-            delta = delta.T
-        yield (base + out.lora["scaling"] * delta).reshape(-1)
+        yield merged_weight(handle, out.base, out.lora).reshape(-1)
         return
     shape = out.tensor.shape
     if len(shape) == 0:
@@ -218,6 +222,19 @@ def _value_blocks(handle, out: _Out) -> Iterator[torch.Tensor]:
     sliced = handle.get_slice(out.base)
     for start in range(0, shape[0], step):
         yield sliced[start:start + step].reshape(-1)
+
+
+def merged_weight(handle, base_key: str, lora: dict) -> torch.Tensor:
+    """W + scaling * B @ A, as peft's merge_and_unload computes it; with DoRA (a magnitude vector m) each
+    output row of that sum is rescaled to m's length: m * (W + s B A) / ||W + s B A||, rows in (out, in)
+    layout (transposed for fan_in_fan_out layers such as GPT-2's Conv1D)."""
+    base = handle.get_tensor(base_key)
+    weight = base.T if lora["fan_in_fan_out"] else base
+    weight = weight + lora["scaling"] * (handle.get_tensor(lora["b"]) @ handle.get_tensor(lora["a"]))
+    if lora.get("magnitude"):
+        norm = torch.linalg.norm(weight, dim=1)
+        weight = (handle.get_tensor(lora["magnitude"]) / norm).unsqueeze(1) * weight
+    return weight.T if lora["fan_in_fan_out"] else weight
 
 
 def _write_shards(consolidated: Path, outs: list[_Out], shards: list[list[Tensor]], folder: Path) -> list[str]:
