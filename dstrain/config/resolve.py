@@ -133,9 +133,20 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
         problems.append(Problem("save_every_minutes asks for time-based checkpoints, but save_checkpoints is false",
                                 _where(merged, "train.save_every_minutes"),
                                 "set train.save_checkpoints=true, or train.save_every_minutes=null"))
-    if config.train.export_final == "hf" and not config.model.name.startswith("hf:"):
-        problems.append(Problem("export_final: hf writes a Hugging Face folder, which needs an \"hf:\" model",
-                                _where(merged, "train.export_final"), "use train.export_final=safetensors"))
+    folder = _model_folder(config.model.name)
+    if folder:
+        problems.append(Problem(f"{config.model.name} is a folder, not a model name", _where(merged, "model.name"),
+                                f"did you mean hf:{config.model.name}? (a Hugging Face model folder is named "
+                                f"with the hf: prefix: --set model.name=hf:{config.model.name})"))
+    if config.train.export_final in ("hf", "peft") and not config.model.name.startswith("hf:") and not folder:
+        problems.append(Problem(f"export_final: {config.train.export_final} writes a Hugging Face folder, which needs "
+                                "an \"hf:\" model", _where(merged, "train.export_final"),
+                                "use train.export_final=safetensors"))
+    if config.train.export_final == "peft" and config.model.lora is None and config.model.name.startswith("hf:"):
+        problems.append(Problem("export_final: peft writes LoRA adapters, but model.lora is not set",
+                                _where(merged, "train.export_final"),
+                                "set model.lora (e.g. --set model.lora={r: 16}), or use train.export_final=hf"))
+    _warmup_warning(config, rendered, merged, warnings)
     if problems:
         raise UserError(problems)
 
@@ -441,6 +452,25 @@ def _integral_floats_to_int(node: dict) -> None:
             _integral_floats_to_int(value)
         elif isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
             node[key] = int(value)
+
+
+def _model_folder(name: str) -> bool:
+    """model.name names a local folder without the hf: prefix (it would be read as an entry point)."""
+    if name == "gpt" or name.startswith("hf:") or (":" in name and not name.startswith(("/", ".", "~"))):
+        return False
+    return Path(name).expanduser().is_dir()
+
+
+def _warmup_warning(config: RunConfig, ds: dict[str, Any], merged: Merged, warnings: list[str]) -> None:
+    """A warmup as long as the run: the learning rate never reaches train.lr, which no error would show."""
+    scheduler = ds.get("scheduler") if isinstance(ds.get("scheduler"), dict) else {}
+    warmup = (scheduler.get("params") or {}).get("warmup_num_steps")
+    steps = config.train.max_steps
+    if isinstance(warmup, int) and warmup > 1 and warmup >= steps:
+        key = "train.warmup_steps" if warmup == config.train.warmup_steps else "deepspeed.scheduler.params.warmup_num_steps"
+        warnings.append(f"{_where(merged, key)}: warmup of {warmup} steps >= train.max_steps "
+                        f"({steps}): the learning rate never reaches train.lr (it ends at {min(steps, warmup) / warmup:.0%} "
+                        f"of it); set {key} below max_steps, e.g. --set {key}={steps // 10}")
 
 
 def _one_gpu_stage3_warning(ds: dict[str, Any], merged: Merged, world: int, accelerator: str,

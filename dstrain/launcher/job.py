@@ -27,11 +27,12 @@ from dstrain.launcher.env_fixes import use_bytecode_cache
 from dstrain.launcher.preflight import check_runtime, clear_stale_build_locks
 from dstrain.launcher.options import LaunchOptions
 from dstrain.launcher.ownership import current_holder, multi_node_job_id
-from dstrain.launcher.run_directory import (default_run_dir, prepare_run_dir, universal_copy, write_run_dir,
-                                            write_synthetic_hostfile)
+from dstrain.launcher.run_directory import (default_run_dir, prepare_run_dir, refuse_checkpoints, universal_copy,
+                                            write_run_dir, write_synthetic_hostfile)
 from dstrain.launcher.runner import is_local_job, rank_env, runner_command
 from dstrain.launcher.supervise import supervise
 from dstrain.launcher.topology import MPI_LAUNCHERS, JobShape, job_shape, master_port
+from dstrain.rundir import CONFIG, SECRETS
 
 
 def launch(o: LaunchOptions) -> int:
@@ -44,8 +45,13 @@ def launch(o: LaunchOptions) -> int:
     use_bytecode_cache()  # before this process and the ranks import torch
     shape = job_shape(o, accelerator)
     _warn_about_launcher(o, shape, console)
-    resolved = resolve(_preset(o, shape, accelerator, console), o.config_file, o.sets, world_size=shape.world,
-                       accelerator=accelerator)
+    frozen = _frozen_config(o)
+    resolved = resolve(_preset(o, shape, accelerator, console), frozen or o.config_file, o.sets,
+                       world_size=shape.world, accelerator=accelerator)
+    if frozen:
+        console.print(f"[yellow]note:[/] --resume without --config or --preset: the run directory's own config "
+                      f"{frozen} is used (--set still overrides it)", soft_wrap=True)
+        _restore_secrets(resolved, frozen.parent)
     run_dir = Path(o.run_dir or default_run_dir(resolved))
     port = master_port(o, shape)
     command = runner_command(o, shape.ranks, shape.nodes, run_dir, port)
@@ -71,6 +77,7 @@ def _check_and_start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig
     _print_plan(resolved, shape.world, accelerator, params, notes, resume_info, console)
     clear_stale_build_locks(console, o.dry_run)
     if o.dry_run:
+        refuse_checkpoints(Path(run_dir), resuming=resume_info is not None)
         holder = current_holder(Path(run_dir))
         if holder is not None:
             warn(f"the run directory belongs to a running job ({holder.describe()}): this run would be refused")
@@ -149,6 +156,26 @@ def _save_model_source(resolved: ResolvedConfig, run_dir: Path) -> None:
     from dstrain.models import hf
     if hf.is_hf(resolved.config.model.name):
         hf.save_source(resolved.config, run_dir)
+
+
+def _frozen_config(o: LaunchOptions) -> Path | None:
+    """The run directory's config.yaml when --resume names no config of its own (no --config, no --preset):
+    a run continues with what it was started with, not with dstrain's defaults."""
+    if not o.resume or o.config_file is not None or o.preset is not None or o.run_dir is None:
+        return None
+    frozen = Path(o.run_dir) / CONFIG
+    return frozen if frozen.is_file() else None
+
+
+def _restore_secrets(resolved: ResolvedConfig, run_dir: Path) -> None:
+    """config.yaml holds "<redacted>" where the DeepSpeed config had secrets; .secrets.json their values."""
+    import json
+
+    from dstrain.config.layers import set_path
+    secrets = run_dir / SECRETS
+    if secrets.is_file():
+        for path, value in json.loads(secrets.read_text()).items():
+            set_path(resolved.ds_config, path, value)
 
 
 def _warn_about_launcher(o: LaunchOptions, shape: JobShape, console: Console) -> None:

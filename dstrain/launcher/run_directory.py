@@ -44,13 +44,22 @@ def prepare_run_dir(run_dir: Path, resuming: bool, job: str | None = None) -> Ru
         raise UserError.single(f"cannot write the run directory: {err.strerror}", f"--run-dir {run_dir}",
                                "choose a writable directory with free space")
     lock = acquire(run_dir, f"--run-dir {run_dir}", job)
-    if not resuming and any(check_tag(d).found for d in tag_dirs(run_dir / CHECKPOINTS)):  # damaged ones too
+    try:
+        refuse_checkpoints(run_dir, resuming)
+    except UserError:
         lock.release()
-        raise UserError.single("this run directory already holds checkpoints", f"--run-dir {run_dir}",
-                               "continue it with --resume latest, or choose another --run-dir")
+        raise
     if not resuming:  # a fresh start owes nothing to an earlier attempt's rollbacks
         (run_dir / HEALTH).unlink(missing_ok=True)
     return lock
+
+
+def refuse_checkpoints(run_dir: Path, resuming: bool) -> None:
+    """A fresh run (no --resume) must not start in a directory that holds checkpoints (damaged ones
+    too): its saves would mix with them. `--dry-run` checks this as the run does."""
+    if not resuming and any(check_tag(d).found for d in tag_dirs(run_dir / CHECKPOINTS)):
+        raise UserError.single("this run directory already holds checkpoints", f"--run-dir {run_dir}",
+                               "continue it with --resume latest, or choose another --run-dir")
 
 
 def write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: dict, own_ranks: range | None = None) -> None:
