@@ -277,6 +277,30 @@ def convert_cmd(
     console.print(report.summary() if hasattr(report, "summary") else str(report), soft_wrap=True)
 
 
+@app.command("generate")
+@handles_user_errors
+def generate_cmd(
+    target: Path = typer.Argument(..., help="A model folder (final_hf, --format hf), a peft adapter folder (final_adapter, --format peft) or a run directory (its newest export, or its latest checkpoint converted)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Text to complete (with --chat: the one user turn)."),
+    chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template; without --prompt, user turns are read from stdin."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 (default): greedy; above 0: sampling."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling's probability mass (with --temperature)."),
+) -> None:
+    """Print what a trained model writes: transformers' generate on an exported folder or a run.
+
+    Examples:
+
+      dstrain generate runs/ft --prompt "The capital of France is"
+
+      dstrain generate runs/ft/final_adapter --chat --prompt "Name three colours."
+
+      dstrain generate out/llama-ft --chat --temperature 0.7 --top-p 0.9
+    """
+    from dstrain.tools.generate import generate
+    raise typer.Exit(generate(target, prompt, chat, max_new_tokens, temperature, top_p))
+
+
 @app.command("doctor")
 def doctor_cmd(
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
