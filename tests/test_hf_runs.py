@@ -13,6 +13,8 @@ ZeRO path, each checked for several facts.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -127,3 +129,73 @@ def test_zero3_gpt2_full_fine_tune_with_lr_near_zero_exports_the_original_weight
     source = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     inputs = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model_logits(loaded, inputs), model_logits(source, inputs), rtol=0, atol=1e-5)
+
+
+def adapter_and_merged_logits(base_dir, adapter_dir, merged_dir) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the adapter folder loaded by peft on the base folder, and of the merged hf export."""
+    import peft
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    inputs = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    return model_logits(adapted, inputs), model_logits(merged, inputs)
+
+
+@pytest.mark.integration
+def test_zero2_lora_adapter_export_loads_in_peft_generates_and_the_run_resumes_without_its_config(tmp_path):
+    from tiny_tokenizer import build_tokenizer
+    model_dir = build_tokenizer(save_tiny_llama(tmp_path / "llama", vocab_size=320))
+    run_dir = tmp_path / "run"
+    result = run(run_dir, "stage2", model_dir, "train.lr=0.01", "train.warmup_steps=0", "train.export_final=peft",
+                 "model.lora={r: 4, target_modules: all-linear, use_dora: true, modules_to_save: [lm_head]}")
+    assert_ok(result)
+    out = run_dir / "final_adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert "base_model.model.lm_head.weight" in adapter and any(k.endswith(".lora_magnitude_vector") for k in adapter)
+    assert not any(".base_layer." in k or "embed_tokens" in k for k in adapter)  # the adapters alone
+
+    merged = tmp_path / "merged"
+    assert_ok(dstrain("convert-checkpoint", str(run_dir / rundir.CHECKPOINTS), str(merged), "--format", "hf"))
+    adapted, exported = adapter_and_merged_logits(model_dir, out, merged)
+    torch.testing.assert_close(adapted, exported, rtol=0, atol=1e-5)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    assert not torch.allclose(adapted, model_logits(base, torch.randint(0, 256, (2, 24),
+                                                                        generator=torch.Generator().manual_seed(0))))
+
+    # generate on the run directory takes its newest export: the adapters on their base.
+    generated = dstrain("generate", str(run_dir), "--prompt", "The capital of France is", "--max-new-tokens", "8")
+    assert_ok(generated)
+    assert "final_adapter on their base model (the newest export" in " ".join(generated.stderr.split())
+    assert generated.stdout == dstrain("generate", str(out), "--prompt", "The capital of France is",
+                                       "--max-new-tokens", "8").stdout
+
+    # A fresh run into this directory is refused by --dry-run as by the run itself ...
+    refused = dstrain("run", "--dry-run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", str(WORLD),
+                      "--run-dir", str(run_dir), "--set", f"model.name=hf:{model_dir}", "--set", "data.tokenizer=byte")
+    assert refused.returncode == 2 and "already holds checkpoints" in refused.stderr
+
+    # ... and --resume without --config continues with the run's own config (its model, LoRA and batch).
+    resumed = dstrain("run", "--accelerator", "cpu", "--gpus", str(WORLD), "--run-dir", str(run_dir),
+                      "--resume", "latest", "--set", "train.max_steps=3")
+    assert_ok(resumed)
+    assert "run directory's own config" in " ".join(resumed.stdout.split())
+    assert "resumed from step00000002 at step 2" in resumed.stdout and 3 in losses(run_dir)
+
+
+@pytest.mark.integration
+def test_zero3_lora_adapter_export_gives_the_merged_exports_logits(tmp_path):
+    model_dir = save_tiny_llama(tmp_path / "llama")
+    run_dir = tmp_path / "run"
+    assert_ok(run(run_dir, "stage3", model_dir, "train.lr=0.01", "train.warmup_steps=0",
+                  "model.lora={r: 4, target_modules: [q_proj, v_proj, down_proj], use_rslora: true}"))
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    result = dstrain("convert-checkpoint", str(run_dir / rundir.CHECKPOINTS), str(adapter), "--format", "peft")
+    assert_ok(result)
+    assert "load it with: PeftModel.from_pretrained" in result.stdout
+    assert_ok(dstrain("convert-checkpoint", str(run_dir / rundir.CHECKPOINTS), str(merged), "--format", "hf"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"] and config["use_rslora"] is True
+    assert config["base_model_name_or_path"] == str(model_dir.resolve())
+    adapted, exported = adapter_and_merged_logits(model_dir, adapter, merged)
+    torch.testing.assert_close(adapted, exported, rtol=0, atol=1e-5)
