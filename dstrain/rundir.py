@@ -27,7 +27,8 @@ WANDB = "wandb"                   # train.log_to wandb: W&B's run files (offline
 CSV = "metrics.csv"               # train.log_to csv: one row per logged step, evaluation or event
 HEALTH = "health.json"            # the run health guard's rollbacks and skipped data steps (rank 0)
 LOCK = "run.lock"                 # held (flock) by the job that owns the directory; its host, pid, command inside
-HF_SOURCE = "hf_source"           # an hf: model's config.json, tokenizer files, LoRA layers (for --format hf)
+HF_SOURCE = "hf_source"           # an hf: model's config.json, tokenizer files, LoRA layers and peft's
+                                  # adapter_config.json (for --format hf / peft)
 HF_LORA = "dstrain_lora.json"     # in HF_SOURCE: each LoRA layer's scaling and layout (written by rank 0)
 RUN_FILES = (CONFIG, DS_CONFIG, LAUNCH)
 GAVE_UP = "run health gave up"    # how a rank's exit record starts when the run health guard gave up
