@@ -1,10 +1,11 @@
 """QLoRA on a GPU through the real launcher (skipped without CUDA or bitsandbytes): a tiny Llama loaded in
-4-bit NormalFloat trains LoRA adapters for a few steps at ZeRO-2 (bf16), only the adapters reach the
+4-bit NormalFloat trains LoRA adapters for a few steps at ZeRO-2 (bf16, on up to 2 GPUs), only the adapters reach the
 optimizer, the adapter export loads in peft on the base model, the merged export is refused with the
 fix, and `dstrain generate` answers from the run directory.
 
-Run it on a GPU machine: `pytest tests/test_qlora_gpu.py` (56 s on one H200, FusedAdam already built; passed
-2026-11-26 with torch 2.11.0+cu130, DeepSpeed 0.19.8, transformers 5.17.0, peft 0.21.0, bitsandbytes 0.50.2)."""
+Run it on a GPU machine: `pytest tests/test_qlora_gpu.py`. Passed 2026-11-26 on one H200 (56 s, FusedAdam
+already built) and on two H200s (95 s), torch 2.11.0+cu130, DeepSpeed 0.19.8, transformers 5.17.0,
+peft 0.21.0, bitsandbytes 0.50.2."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_peft(tmp_path
     from dstrain.tools.convert.reader import open_checkpoint
     model_dir = build_tokenizer(save_tiny_llama(tmp_path / "llama", vocab_size=320))
     run_dir = tmp_path / "run"
-    args = ["run", "--preset", "stage2", "--accelerator", "cuda", "--gpus", "1", "--run-dir", str(run_dir)]
+    gpus = min(torch.cuda.device_count(), 2)  # two where there are: DeepSpeed broadcasts the packed base weights
+    args = ["run", "--preset", "stage2", "--accelerator", "cuda", "--gpus", str(gpus), "--run-dir", str(run_dir)]
     for item in (f"model.name=hf:{model_dir}", "model.lora={r: 8, target_modules: all-linear, quantize: nf4}",
                  "data.tokenizer=byte", "data.seq_len=32", "train.micro_batch_size=4", "train.max_steps=6",
                  "train.lr=0.01", "train.warmup_steps=0", "train.log_every=1", "train.eval_batches=1",
