@@ -184,8 +184,9 @@ def test_zero2_lora_adapter_export_loads_in_peft_generates_and_the_run_resumes_w
 
 
 @pytest.mark.integration
-def test_zero3_lora_adapter_export_gives_the_merged_exports_logits(tmp_path):
-    model_dir = save_tiny_llama(tmp_path / "llama")
+def test_zero3_lora_adapter_export_gives_the_merged_exports_logits_and_generate_converts_the_checkpoint(tmp_path):
+    from tiny_tokenizer import build_tokenizer
+    model_dir = build_tokenizer(save_tiny_llama(tmp_path / "llama", vocab_size=320))
     run_dir = tmp_path / "run"
     assert_ok(run(run_dir, "stage3", model_dir, "train.lr=0.01", "train.warmup_steps=0",
                   "model.lora={r: 4, target_modules: [q_proj, v_proj, down_proj], use_rslora: true}"))
@@ -195,7 +196,16 @@ def test_zero3_lora_adapter_export_gives_the_merged_exports_logits(tmp_path):
     assert "load it with: PeftModel.from_pretrained" in result.stdout
     assert_ok(dstrain("convert-checkpoint", str(run_dir / rundir.CHECKPOINTS), str(merged), "--format", "hf"))
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"] and config["use_rslora"] is True
+    assert set(config["target_modules"]) == {"down_proj", "q_proj", "v_proj"} and config["use_rslora"] is True
     assert config["base_model_name_or_path"] == str(model_dir.resolve())
     adapted, exported = adapter_and_merged_logits(model_dir, adapter, merged)
     torch.testing.assert_close(adapted, exported, rtol=0, atol=1e-5)
+
+    # Without an export, generate converts the run's latest checkpoint (merged) for the moment it runs.
+    generated = dstrain("generate", str(run_dir), "--prompt", "The capital of France is", "--max-new-tokens", "8",
+                        env={"TMPDIR": str(tmp_path)})
+    assert_ok(generated)
+    assert "checkpoint step00000002 of" in generated.stderr and "converted for this command" in generated.stderr
+    assert generated.stdout == dstrain("generate", str(merged), "--prompt", "The capital of France is",
+                                       "--max-new-tokens", "8").stdout
+    assert not list(tmp_path.glob("dstrain-generate-*"))  # the temporary folder is gone

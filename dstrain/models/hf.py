@@ -3,10 +3,12 @@
 Owns: reading the model's config.json through transformers' Auto classes (with the model.kwargs
 options), building the model (stage 3: inside deepspeed.zero.Init, weights copied into the partitions
 one tensor at a time by dstrain.models.weights, so no rank holds the whole model; stages 0-2:
-transformers' own from_pretrained), LoRA adapters through peft, the `CausalLM` wrapper whose
+transformers' own from_pretrained; with model.lora.quantize the base in 4 bits through bitsandbytes),
+LoRA adapters through peft (model.lora's options and their checks), the `CausalLM` wrapper whose
 forward(batch) returns the loss (dstrain's model protocol), the checks `--dry-run` makes (config.json
-present, architecture known, tokenizer fits the embedding), and the copy of config/tokenizer files
-into the run directory that `convert-checkpoint --format hf` reads.
+present, architecture known, tokenizer fits the embedding, QLoRA's hardware), and the copy of
+config/tokenizer files (and peft's adapter_config.json) into the run directory that `convert-checkpoint
+--format hf / peft` reads.
 
 transformers and peft are optional (the `hf` extra): without them a clear UserError says so.
 """

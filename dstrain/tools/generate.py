@@ -14,6 +14,7 @@ empty line or end of input. On CUDA when a GPU is there (the folder's dtype), el
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -173,10 +174,12 @@ def generate(target: Path, prompt: str | None, chat: bool, max_new_tokens: int, 
         raise UserError.single("out of range", "--max-new-tokens / --temperature / --top-p",
                                "--max-new-tokens >= 1, --temperature >= 0 (0: greedy), 0 < --top-p <= 1")
     err = Console(stderr=True, highlight=False)
+    import torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # Converting a checkpoint imports DeepSpeed, whose accelerator guess would print a warning on stdout.
+    os.environ.setdefault("DS_ACCELERATOR", device)
     found = find_model(target)
     try:
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         model, tokenizer = load(found, device)
         err.print(f"[dim]{found.note}, on {device}[/]", soft_wrap=True)
         if not chat:

@@ -2,7 +2,7 @@
 `peft.PeftModel.from_pretrained(base_model, OUTPUT)` loads on the untouched base model.
 
 OUTPUT holds adapter_config.json (the run's model.lora as peft.LoraConfig, written to the run's hf_source/
-by `dstrain run`, with the adapted layers as trained), adapter_model.safetensors (each adapter under
+by `dstrain run`, target_modules made explicit where peft chose them), adapter_model.safetensors (each adapter under
 peft's saved names: `base_model.model.<layer>.lora_A.weight`, `.lora_B.weight`, DoRA's
 `.lora_magnitude_vector`, and a modules_to_save module's trained copy as `base_model.model.<module>.weight`)
 and the tokenizer files. The checkpoint is consolidated by the ordinary converter into a temporary
@@ -92,14 +92,16 @@ def export_peft_folder(checkpoint_dir: Path, output: Path, *, tag: str | None = 
 
 
 def adapter_config(source_dir: Path) -> dict:
-    """hf_source/adapter_config.json, with the layers that really got adapters (rank 0 recorded them in
-    dstrain_lora.json): their last names as target_modules, and GPT-2-style Conv1D layout as trained."""
+    """hf_source/adapter_config.json, completed from the layers that got adapters (rank 0 recorded them
+    in dstrain_lora.json): target_modules left to peft's choice (unset, all-linear) become the last names
+    of those layers, and a GPT-2-style Conv1D layout is recorded as trained."""
     config = json.loads((source_dir / ADAPTER_CONFIG).read_text())
     layers_file = source_dir / HF_LORA
     if layers_file.is_file():
         layers = json.loads(layers_file.read_text())
         if layers:
-            config["target_modules"] = sorted({name.rsplit(".", 1)[-1] for name in layers})
+            if not isinstance(config.get("target_modules"), list):
+                config["target_modules"] = sorted({name.rsplit(".", 1)[-1] for name in layers})
             config["fan_in_fan_out"] = any(layer["fan_in_fan_out"] for layer in layers.values())
     config["inference_mode"] = True
     return config
