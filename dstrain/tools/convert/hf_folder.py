@@ -68,7 +68,7 @@ class _Out:
     lora: dict | None = None  # {"a": key, "b": key, "scaling": float, "fan_in_fan_out": bool}
 
 
-def find_source(checkpoint_dir: Path, source: Path | None) -> Path:
+def find_source(checkpoint_dir: Path, source: Path | None, option: str = "--format hf") -> Path:
     """The folder holding config.json and the tokenizer: SOURCE, or the run directory's hf_source/."""
     if source is not None:
         candidates = [Path(source)]
@@ -78,8 +78,8 @@ def find_source(checkpoint_dir: Path, source: Path | None) -> Path:
     for candidate in candidates:
         if (candidate / "config.json").is_file():
             return candidate
-    raise UserError.single(f"no config.json for --format hf (looked in {', '.join(str(c) for c in candidates)})",
-                           str(checkpoint_dir), "--format hf needs a run of an \"hf:\" model (its run directory "
+    raise UserError.single(f"no config.json for {option} (looked in {', '.join(str(c) for c in candidates)})",
+                           str(checkpoint_dir), f"{option} needs a run of an \"hf:\" model (its run directory "
                            "holds hf_source/), or pass --hf-source DIR with the model's config.json and tokenizer")
 
 

@@ -68,7 +68,7 @@ def export_peft_folder(checkpoint_dir: Path, output: Path, *, tag: str | None = 
     from dstrain.tools.convert import convert_checkpoint
     from dstrain.tools.convert.reader import open_checkpoint
 
-    source_dir = find_source(checkpoint_dir, source)
+    source_dir = find_source(checkpoint_dir, source, "--format peft")
     if not (source_dir / ADAPTER_CONFIG).is_file():
         raise UserError.single(f"no {ADAPTER_CONFIG} in {source_dir}: this run trained no LoRA adapters",
                                "--format peft", "use --format hf (the whole model) for a run without model.lora")
