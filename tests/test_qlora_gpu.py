@@ -19,8 +19,9 @@ from launcher import assert_ok, dstrain, losses
 
 from dstrain import rundir
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="QLoRA needs a CUDA GPU (bitsandbytes' 4-bit kernels)")]
+pytestmark = pytest.mark.integration
+if not torch.cuda.is_available():  # before the imports below, so a CPU machine says why it skips
+    pytest.skip("QLoRA needs a CUDA GPU (bitsandbytes' 4-bit kernels)", allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
