@@ -283,12 +283,23 @@ def test_nvme_preset_with_its_path_cleared():
     assert "deepspeed.zero_optimization.offload_param.nvme_path: NVMe offload needs a path" in message
 
 
-def test_offload_param_with_stage_2(tmp_path):
-    message, path = file_fails(tmp_path, "deepspeed:\n  zero_optimization:\n    stage: 2\n"
-                                         "    offload_param:\n      device: cpu\n")
-    assert f"--config {path}: deepspeed.zero_optimization.offload_param: offload_param works only with ZeRO stage 3 " \
-           "(stage is 2)" in message
-    assert "stage=3" in fix_of(message, "offload_param works")
+def test_offload_param_below_stage_3_is_a_warning_because_deepspeed_ignores_it(tmp_path):
+    """DeepSpeed reads offload_param at stage 3 only and runs such a file: dstrain runs it too, and says so."""
+    path = tmp_path / "run.yaml"
+    path.write_text("deepspeed:\n  zero_optimization:\n    stage: 2\n    offload_param:\n      device: cpu\n")
+    result = CliRunner().invoke(app, ["config", "--accelerator", "cpu", "--gpus", "2", "--config", str(path)],
+                                env={ENV_DEEPSPEED_CONFIG: None})
+    assert result.exit_code == 0, result.output
+    assert f"--config {path}: deepspeed.zero_optimization.offload_param: DeepSpeed ignores it at stage 2; " \
+           "use stage 3 to offload parameters" in result.stderr
+
+
+def test_a_value_of_the_wrong_type_for_deepspeeds_model_is_refused_by_config_naming_file_and_key(tmp_path):
+    """DeepSpeed's DeepSpeedFP16Config wants an integer min_loss_scale: `config` says so, as `run` would."""
+    message, path = file_fails(tmp_path, "deepspeed:\n  fp16:\n    enabled: false\n    min_loss_scale: 0.05\n")
+    assert f"--config {path}: deepspeed.fp16.min_loss_scale: Input should be a valid integer" in message
+    assert "DeepSpeedFP16Config" in message
+    assert "DeepSpeed's default is 1" in fix_of(message, "min_loss_scale")
 
 
 def test_offload_device_that_does_not_exist(tmp_path):

@@ -114,7 +114,8 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     _resolve_batch(config, merged, world_size, problems, notes)
     rendered = _render(config, merged, notes, problems, accelerator, world_size)
     autos.check_autos_left(rendered, merged, ignored, problems)
-    _cross_field_checks(rendered, merged, problems)
+    _cross_field_checks(rendered, merged, problems, warnings)
+    _check_with_deepspeeds_models(rendered, merged, problems)
     resolve_compile(config, rendered, accelerator, notes)
     if config.train.activation_checkpointing == "auto":
         notes["train.activation_checkpointing"] = (
@@ -493,7 +494,21 @@ def _partial_offload_warning(ds: dict[str, Any], merged: Merged, warnings: list[
                         "states); it measured 4-5x slower than full offload; remove the key (ratio 1)")
 
 
-def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Problem]) -> None:
+def _check_with_deepspeeds_models(ds: dict[str, Any], merged: Merged, problems: list[Problem]) -> None:
+    """DeepSpeed's own config models on the rendered JSON, so `config` gives `run`'s verdict (values and
+    types: what the checks above read from DeepSpeed's source cannot see). A key already reported keeps
+    dstrain's message alone."""
+    from dstrain.config import deepspeed_models
+    if not deepspeed_models.available():
+        return  # a laptop without DeepSpeed: the source-read checks above are all there is
+    reported = {p.where.rsplit(": ", 1)[-1] for p in problems}
+    for problem in deepspeed_models.validate(ds, lambda path: _where(merged, path)):
+        path = problem.where.rsplit(": ", 1)[-1]
+        if not any(path == known or path.startswith(known + ".") for known in reported):
+            problems.append(problem)
+
+
+def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Problem], warnings: list[str]) -> None:
     zero = ds.get("zero_optimization") or {}
     if not isinstance(zero, dict):
         return
@@ -517,9 +532,9 @@ def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Probl
         if device == "nvme" and not section.get("nvme_path"):
             problems.append(Problem("NVMe offload needs a path", where + ".nvme_path",
                                     f"--set deepspeed.zero_optimization.{part}.nvme_path=/local_nvme/dstrain"))
-        if part == "offload_param" and device != "none" and stage != 3:
-            problems.append(Problem(f"offload_param works only with ZeRO stage 3 (stage is {stage})", where,
-                                    "set deepspeed.zero_optimization.stage=3, or use offload_optimizer instead"))
+        if part == "offload_param" and device != "none" and stage != 3:  # DeepSpeed reads it at stage 3 only
+            warnings.append(f"{where}: DeepSpeed ignores it at stage {stage}; use stage 3 to offload parameters "
+                            "(or offload_optimizer to move the optimizer states)")
         if part == "offload_optimizer" and device != "none" and stage == 0:
             problems.append(Problem("offload_optimizer needs ZeRO stage 1, 2 or 3", where,
                                     "set deepspeed.zero_optimization.stage=2"))
