@@ -71,3 +71,23 @@ def test_a_failed_run_is_one_message_naming_the_first_rank_and_its_log(tmp_path)
     logs = "".join(p.read_text() for p in (run_dir / "ranks").glob("rank*.log"))
     assert "built successfully" in logs
     print(console)  # for the record: what a user sees
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_the_live_progress_bar_fits_the_terminal_keeping_loss_and_throughput(tmp_path, width):
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from dstrain.rank.metrics import MetricsLog
+    metrics = MetricsLog(tmp_path, True, max_steps=100000, tokens_per_step=1024, flops_per_token=6e6, world=2,
+                         device=torch.device("cpu"))
+    metrics.console = Console(file=io.StringIO(), force_terminal=True, width=width, record=True, highlight=False)
+    metrics.start(0)
+    metrics.log_step(12345, 5.4321, 3e-4, elapsed=0.5, steps=5, stats={"grad_norm": 1.25})
+    metrics.close()
+    bar = "train " + metrics.console.export_text().split("train ")[-1].splitlines()[0]  # the last frame
+    assert len(bar) <= width and "…" not in bar, bar
+    assert "loss 5.4321" in bar and "tok/s" in bar and "12345/100000" in bar and "eta" in bar
+    assert ("gnorm 1.25" in bar) == (width > 80)  # the least needed fields go first
