@@ -480,3 +480,26 @@ def test_deepcompile_on_cpu_is_refused_before_anything_runs():
     message = config_fails("--preset", "stage3", "--set", "deepspeed.compile.deepcompile=true")
     assert "--set: deepspeed.compile.deepcompile: DeepCompile needs CUDA" in message
     assert fix_of(message, "DeepCompile needs CUDA") == "remove deepspeed.compile.deepcompile, or run on GPUs"
+
+
+def test_gpt_shape_keys_set_for_an_hf_model_warn_that_they_are_ignored(tmp_path):
+    from dstrain.config.resolve import resolve
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  name: hf:some/model\n  n_layer: 24\n  d_model: 2048\n")
+    warnings = resolve(config_file=path, world_size=2, accelerator="cpu", env={}).warnings
+    assert [w.split(": applies")[0] for w in warnings if "applies to the built-in GPT only" in w] == [
+        f"--config {path}: model.n_layer", f"--config {path}: model.d_model"]
+    assert all("its config.json" in w for w in warnings if "applies to the built-in GPT" in w)
+
+
+def test_a_preset_or_default_gpt_shape_under_an_hf_model_says_nothing():
+    from dstrain.config.resolve import resolve
+    resolved = resolve("stage2", sets=["model.name=hf:some/model"], world_size=2, accelerator="cpu", env={})
+    assert not [w for w in resolved.warnings if "built-in GPT" in w]
+
+
+def test_model_kwargs_for_the_built_in_gpt_warn_that_they_are_ignored():
+    from dstrain.config.resolve import resolve
+    resolved = resolve(sets=["model.kwargs.n_layer=8"], world_size=2, accelerator="cpu", env={})
+    assert any(w.startswith("--set: model.kwargs: ignored for the built-in GPT") for w in resolved.warnings), \
+        resolved.warnings

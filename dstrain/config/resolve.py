@@ -25,7 +25,8 @@ from pydantic import ValidationError
 from dstrain.config import autos, deepspeed_checks
 from dstrain.config import deepspeed_keys as dsk
 from dstrain.config.deepspeed_keys import AUTO
-from dstrain.config.layers import DEFAULT, Merged, Source, collect_layers, flatten, get_path, merge, set_path
+from dstrain.config.layers import (DEFAULT, PRESET_RANK, Merged, Source, collect_layers, flatten, get_path, merge,
+                                   set_path)
 from dstrain.config.schema import RunConfig
 from dstrain.config.speed_defaults import check_deepcompile, compile_warnings, render_speed_defaults, resolve_compile
 from dstrain.errors import Problem, UserError
@@ -123,6 +124,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
             "is at most half of it, on otherwise (always on for a model other than the built-in GPT)")
     check_deepcompile(config, rendered, merged, accelerator, problems)
     compile_warnings(config, rendered, merged, warnings)
+    _inapplicable_model_keys(config, merged, warnings)
     _one_gpu_stage3_warning(rendered, merged, world_size, accelerator, warnings)
     _nvme_reuse_warning(rendered, merged, warnings)
     _partial_offload_warning(rendered, merged, warnings)
@@ -442,6 +444,25 @@ def _integral_floats_to_int(node: dict) -> None:
             _integral_floats_to_int(value)
         elif isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
             node[key] = int(value)
+
+
+GPT_ONLY_KEYS = ("n_layer", "n_head", "d_model", "dropout")  # the built-in GPT's shape; other models bring theirs
+
+
+def _inapplicable_model_keys(config: RunConfig, merged: Merged, warnings: list[str]) -> None:
+    """Model keys the user set that the chosen model never reads: silently ignored, they would look applied."""
+    name = config.model.name
+    user_set = [key for key in GPT_ONLY_KEYS if merged.source_of(f"model.{key}").rank > PRESET_RANK]
+    if name != "gpt":
+        kind = "an \"hf:\" model brings its own (its config.json)" if name.startswith("hf:") else \
+            "a model entry point gets model.kwargs alone"
+        for key in user_set:
+            warnings.append(f"{_where(merged, f'model.{key}')}: applies to the built-in GPT only and is ignored for "
+                            f"model.name={name!r} ({kind}); remove it" +
+                            ("" if name.startswith("hf:") else ", or pass it in model.kwargs"))
+    elif config.model.kwargs and merged.source_of("model.kwargs").rank > PRESET_RANK:
+        warnings.append(f"{_where(merged, 'model.kwargs')}: ignored for the built-in GPT (model.name=gpt), which reads "
+                        "model.n_layer, n_head, d_model, vocab_size and dropout; remove it")
 
 
 def _one_gpu_stage3_warning(ds: dict[str, Any], merged: Merged, world: int, accelerator: str,
