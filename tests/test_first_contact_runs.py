@@ -91,3 +91,35 @@ def test_the_live_progress_bar_fits_the_terminal_keeping_loss_and_throughput(tmp
     assert len(bar) <= width and "…" not in bar, bar
     assert "loss 5.4321" in bar and "tok/s" in bar and "12345/100000" in bar and "eta" in bar
     assert ("gnorm 1.25" in bar) == (width > 80)  # the least needed fields go first
+
+
+def test_known_third_party_lines_go_to_the_rank_log_and_everything_else_to_both(tmp_path, monkeypatch):
+    """The rank's streams (dstrain/rank/output.py), as installed in a rank: stderr is copied to the log;
+    the known noise (print()ed in two writes, or logged in one) stays off the console unless --verbose."""
+    import io
+    import sys
+    import warnings
+
+    from dstrain.rank import output
+    console_out, console_err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", console_out)
+    monkeypatch.setattr(sys, "stderr", console_err)
+    monkeypatch.setattr(output, "_router", output._Router())
+    output.install()
+    print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")  # deepspeed/comm/torch.py
+    print("step 1/10  loss 5.4")
+    # as Python's showwarning writes a warning in a rank (under pytest, warnings.warn is recorded instead)
+    sys.stderr.write(warnings.formatwarning("`is_gradient_checkpointing` is deprecated and will be removed in v6.",
+                                            FutureWarning, "modeling_utils.py", 3312))
+    sys.stderr.write(warnings.formatwarning("a user's own warning", UserWarning, "my_model.py", 7))
+    output.open_log(tmp_path, 1, verbose=False)  # lines before the log opens are kept for it
+    output.write_log_only("Traceback (most recent call last):\n  ...\nValueError: boom\n")
+    log = (tmp_path / "ranks" / "rank1.log").read_text()
+    assert console_out.getvalue() == "step 1/10  loss 5.4\n"
+    assert "a user's own warning" in console_err.getvalue()
+    assert "is_gradient_checkpointing" not in console_err.getvalue() and "Traceback" not in console_err.getvalue()
+    for line in ("built successfully", "is_gradient_checkpointing", "a user's own warning", "ValueError: boom"):
+        assert line in log
+    output.open_log(tmp_path, 1, verbose=True)
+    print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+    assert "built successfully" in console_out.getvalue()  # --verbose shows it again
