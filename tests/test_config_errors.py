@@ -503,3 +503,12 @@ def test_model_kwargs_for_the_built_in_gpt_warn_that_they_are_ignored():
     resolved = resolve(sets=["model.kwargs.n_layer=8"], world_size=2, accelerator="cpu", env={})
     assert any(w.startswith("--set: model.kwargs: ignored for the built-in GPT") for w in resolved.warnings), \
         resolved.warnings
+
+
+def test_a_config_deepspeeds_whole_check_refuses_is_refused_by_config_naming_the_file(tmp_path):
+    """Beyond the sections' models: DeepSpeedConfig's own sanity checks (here: a summed all-reduce under
+    ZeRO-3, which DeepSpeed refuses at start), as deepspeed.initialize would run them in every rank."""
+    message, path = file_fails(tmp_path, "deepspeed:\n  gradient_allreduce_op: sum\n  zero_optimization:\n"
+                                         "    stage: 3\n")
+    assert f"--config {path}: deepspeed: DeepSpeed refuses this config: ValueError: gradient_allreduce_op='sum' " \
+           "is not supported with ZeRO stage 3" in message

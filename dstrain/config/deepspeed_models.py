@@ -75,3 +75,29 @@ def validate(ds_config: dict[str, Any], where: Callable[[str], str] = lambda pat
         except (ValueError, TypeError, AssertionError) as err:
             problems.append(Problem(f"{err} (DeepSpeed's {model.__name__})", where(f"deepspeed.{key}"), FIX))
     return problems
+
+
+def check_whole(ds_config: dict[str, Any]) -> str | None:
+    """DeepSpeed's whole config check (deepspeed.runtime.config.DeepSpeedConfig: every section it parses,
+    its removed keys, its sanity checks), as deepspeed.initialize runs it in every rank; None when it
+    passes, else its message. Run outside a process group, DeepSpeedConfig sees a world of 1, so the
+    batch keys are given as one rank sees them (dstrain checks the batch arithmetic at the real world size)."""
+    import copy
+    config = copy.deepcopy(ds_config)
+    micro, accum = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")
+    if isinstance(micro, int) and isinstance(accum, int):
+        config["train_batch_size"] = micro * accum
+    _model("runtime/config.py", "DeepSpeedConfig")  # imported quietly
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import logger
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its INFO lines and warnings about the hardware are not a verdict
+    try:
+        DeepSpeedConfig(config)
+    except Exception as err:  # noqa: BLE001 - DeepSpeed raises many types; its message is the verdict
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()
+                 and not line.strip().startswith("For further information")]
+        return f"{type(err).__name__}: {' / '.join(lines)}"[:400]
+    finally:
+        logger.setLevel(level)
+    return None

@@ -523,10 +523,17 @@ def _check_with_deepspeeds_models(ds: dict[str, Any], merged: Merged, problems: 
     if not deepspeed_models.available():
         return  # a laptop without DeepSpeed: the source-read checks above are all there is
     reported = {p.where.rsplit(": ", 1)[-1] for p in problems}
-    for problem in deepspeed_models.validate(ds, lambda path: _where(merged, path)):
+    found = deepspeed_models.validate(ds, lambda path: _where(merged, path))
+    for problem in found:
         path = problem.where.rsplit(": ", 1)[-1]
         if not any(path == known or path.startswith(known + ".") for known in reported):
             problems.append(problem)
+    if problems or found:
+        return  # the whole check would repeat them, less precisely
+    refused = deepspeed_models.check_whole(ds)
+    if refused:
+        problems.append(Problem(f"DeepSpeed refuses this config: {refused}", _where(merged, "deepspeed"),
+                                "change the key DeepSpeed names (its config documentation lists the values)"))
 
 
 def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Problem], warnings: list[str]) -> None:
