@@ -557,7 +557,7 @@ def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Probl
         if device not in ("none", "cpu", "nvme"):
             problems.append(Problem(f"device must be none, cpu or nvme (got {device!r})", where + ".device",
                                     "e.g. device: cpu"))
-        if device == "nvme" and not section.get("nvme_path"):
+        if device == "nvme" and not section.get("nvme_path") and (part == "offload_optimizer" or stage == 3):
             problems.append(Problem("NVMe offload needs a path", where + ".nvme_path",
                                     f"--set deepspeed.zero_optimization.{part}.nvme_path=/local_nvme/dstrain"))
         if part == "offload_param" and device != "none" and stage != 3:  # DeepSpeed reads it at stage 3 only
