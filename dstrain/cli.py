@@ -274,7 +274,7 @@ def convert_cmd(
         return
     report = convert.convert_checkpoint(checkpoint_dir, output, tag=tag, dtype=dtype,
                                         max_shard_size=max_shard_size, force=force)
-    console.print(report.summary() if hasattr(report, "summary") else str(report), soft_wrap=True)
+    console.print(report.summary(), soft_wrap=True)
 
 
 @app.command("generate")

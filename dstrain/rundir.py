@@ -19,7 +19,7 @@ CONFIG = "config.yaml"            # the resolved dstrain config (secrets redacte
 DS_CONFIG = "ds_config.json"      # exactly what deepspeed.initialize gets (secrets redacted)
 LAUNCH = "launch.json"            # world size, accelerator, resume target, mode ("eval" for dstrain eval)
 SECRETS = ".secrets.json"         # 0600: the redacted values, key path -> value
-RANKS = "ranks"                   # rank<R>.pid/.exit records, .beat heartbeats, .stack dumps
+RANKS = "ranks"                   # rank<R>.pid/.exit records, .log output, .beat heartbeats, .stack dumps
 METRICS = "metrics.jsonl"         # one JSON object per logged step or event
 CHECKPOINTS = "checkpoints"       # one folder per tag (see dstrain/checkpoints.py)
 TENSORBOARD = "tensorboard"       # train.log_to tensorboard: event files
@@ -35,6 +35,11 @@ GAVE_UP = "run health gave up"    # how a rank's exit record starts when the run
 # "<pid of dstrain run>:<file>": ranks started while `dstrain run` still checks (launcher/early_start.py)
 # wait until that file says "go", and leave quietly when that process is gone.
 START_GATE_ENV = "DSTRAIN_START_GATE"
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    """A rank's log: its stderr, known third-party noise and a failure's traceback (dstrain/rank/output.py)."""
+    return run_dir / RANKS / f"rank{rank}.log"
 
 
 def write_atomic(path: Path, text: str) -> None:

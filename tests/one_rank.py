@@ -55,12 +55,11 @@ TINY_MLP = """
 
 
 def rank_env(accelerator: str, extra: dict | None = None) -> dict:
-    """This process's environment for a rank on `accelerator`, with `extra` added; on a GPU host a CPU
-    rank builds its ops apart from the GPUs' builds, as dstrain's ranks do."""
-    from dstrain.hardware import cuda_gpu_count
-    from dstrain.launcher.env_fixes import separate_cpu_op_builds
+    """This process's environment for a rank on `accelerator`, with `extra` added; its ops build in this
+    environment's own cache for that accelerator, as dstrain's ranks do."""
+    from dstrain.launcher.env_fixes import use_private_op_cache
     env = {**os.environ, **(extra or {}), "DS_ACCELERATOR": accelerator}
-    separate_cpu_op_builds(env, accelerator, cuda_gpu_count())
+    use_private_op_cache(env, accelerator)
     return env
 
 

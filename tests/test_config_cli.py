@@ -173,22 +173,25 @@ STARTUP_PROBE = textwrap.dedent("""
     from typer.testing import CliRunner
     runner = CliRunner()
     codes = [runner.invoke(dstrain.cli.app, args, env={"PL_DEEPSPEED_CONFIG_PATH": None}).exit_code for args in (
-        ["presets"], ["presets", "stage3"],
+        ["presets"], ["presets", "stage3"], ["--help"], ["run", "--help"],
+    )]
+    heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "deepspeed"))
+    codes += [runner.invoke(dstrain.cli.app, args, env={"PL_DEEPSPEED_CONFIG_PATH": None}).exit_code for args in (
         ["config", "--preset", "stage3_offload", "--accelerator", "cpu", "--gpus", "2"],
         ["config", "--preset", "stage2", "--explain", "--accelerator", "cpu", "--gpus", "2"],
         ["config", "--preset", "stage2", "--deepspeed-json"],
         ["config", "--preset", "no-such-preset"],
     )]
-    heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "deepspeed"))
     print(json.dumps({"codes": codes, "heavy": heavy}))
 """)
 
 
-def test_presets_and_config_commands_never_import_torch_or_deepspeed():
+def test_presets_and_help_never_import_torch_or_deepspeed():
+    """`config` may (DeepSpeed's own config models give its verdict, issue 38); presets and --help may not."""
     out = subprocess.run([sys.executable, "-c", STARTUP_PROBE], capture_output=True, text=True, cwd=REPO,
                          timeout=60, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["codes"] == [0, 0, 0, 0, 0, 2]
+    assert report["codes"] == [0, 0, 0, 0, 0, 0, 0, 2]
     assert report["heavy"] == []
 
 

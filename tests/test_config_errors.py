@@ -283,12 +283,23 @@ def test_nvme_preset_with_its_path_cleared():
     assert "deepspeed.zero_optimization.offload_param.nvme_path: NVMe offload needs a path" in message
 
 
-def test_offload_param_with_stage_2(tmp_path):
-    message, path = file_fails(tmp_path, "deepspeed:\n  zero_optimization:\n    stage: 2\n"
-                                         "    offload_param:\n      device: cpu\n")
-    assert f"--config {path}: deepspeed.zero_optimization.offload_param: offload_param works only with ZeRO stage 3 " \
-           "(stage is 2)" in message
-    assert "stage=3" in fix_of(message, "offload_param works")
+def test_offload_param_below_stage_3_is_a_warning_because_deepspeed_ignores_it(tmp_path):
+    """DeepSpeed reads offload_param at stage 3 only and runs such a file: dstrain runs it too, and says so."""
+    path = tmp_path / "run.yaml"
+    path.write_text("deepspeed:\n  zero_optimization:\n    stage: 2\n    offload_param:\n      device: cpu\n")
+    result = CliRunner().invoke(app, ["config", "--accelerator", "cpu", "--gpus", "2", "--config", str(path)],
+                                env={ENV_DEEPSPEED_CONFIG: None})
+    assert result.exit_code == 0, result.output
+    assert f"--config {path}: deepspeed.zero_optimization.offload_param: DeepSpeed ignores it at stage 2; " \
+           "use stage 3 to offload parameters" in result.stderr
+
+
+def test_a_value_of_the_wrong_type_for_deepspeeds_model_is_refused_by_config_naming_file_and_key(tmp_path):
+    """DeepSpeed's DeepSpeedFP16Config wants an integer min_loss_scale: `config` says so, as `run` would."""
+    message, path = file_fails(tmp_path, "deepspeed:\n  fp16:\n    enabled: false\n    min_loss_scale: 0.05\n")
+    assert f"--config {path}: deepspeed.fp16.min_loss_scale: Input should be a valid integer" in message
+    assert "DeepSpeedFP16Config" in message
+    assert "DeepSpeed's default is 1" in fix_of(message, "min_loss_scale")
 
 
 def test_offload_device_that_does_not_exist(tmp_path):
@@ -469,3 +480,35 @@ def test_deepcompile_on_cpu_is_refused_before_anything_runs():
     message = config_fails("--preset", "stage3", "--set", "deepspeed.compile.deepcompile=true")
     assert "--set: deepspeed.compile.deepcompile: DeepCompile needs CUDA" in message
     assert fix_of(message, "DeepCompile needs CUDA") == "remove deepspeed.compile.deepcompile, or run on GPUs"
+
+
+def test_gpt_shape_keys_set_for_an_hf_model_warn_that_they_are_ignored(tmp_path):
+    from dstrain.config.resolve import resolve
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  name: hf:some/model\n  n_layer: 24\n  d_model: 2048\n")
+    warnings = resolve(config_file=path, world_size=2, accelerator="cpu", env={}).warnings
+    assert [w.split(": applies")[0] for w in warnings if "applies to the built-in GPT only" in w] == [
+        f"--config {path}: model.n_layer", f"--config {path}: model.d_model"]
+    assert all("its config.json" in w for w in warnings if "applies to the built-in GPT" in w)
+
+
+def test_a_preset_or_default_gpt_shape_under_an_hf_model_says_nothing():
+    from dstrain.config.resolve import resolve
+    resolved = resolve("stage2", sets=["model.name=hf:some/model"], world_size=2, accelerator="cpu", env={})
+    assert not [w for w in resolved.warnings if "built-in GPT" in w]
+
+
+def test_model_kwargs_for_the_built_in_gpt_warn_that_they_are_ignored():
+    from dstrain.config.resolve import resolve
+    resolved = resolve(sets=["model.kwargs.n_layer=8"], world_size=2, accelerator="cpu", env={})
+    assert any(w.startswith("--set: model.kwargs: ignored for the built-in GPT") for w in resolved.warnings), \
+        resolved.warnings
+
+
+def test_a_config_deepspeeds_whole_check_refuses_is_refused_by_config_naming_the_file(tmp_path):
+    """Beyond the sections' models: DeepSpeedConfig's own sanity checks (here: a summed all-reduce under
+    ZeRO-3, which DeepSpeed refuses at start), as deepspeed.initialize would run them in every rank."""
+    message, path = file_fails(tmp_path, "deepspeed:\n  gradient_allreduce_op: sum\n  zero_optimization:\n"
+                                         "    stage: 3\n")
+    assert f"--config {path}: deepspeed: DeepSpeed refuses this config: ValueError: gradient_allreduce_op='sum' " \
+           "is not supported with ZeRO stage 3" in message

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from dstrain.cli import app
 from dstrain.config.presets import PRESET_ORDER, available, description, presets_dir
 from dstrain.config.resolve import AUTO, resolve
+from dstrain.errors import UserError
 
 PRESET_FILES = sorted(presets_dir().glob("*.yaml"))
 NAMES = [path.stem for path in PRESET_FILES]
@@ -192,6 +193,7 @@ def test_partial_optimizer_offload_is_warned_about():
     assert "--set" in warning and "0.5" in warning and "learning rate" in warning and "remove the key" in warning
     assert not any("offload_optimizer.ratio" in w for w in resolve(preset="stage3_offload", sets=[f"{key}=1.0"],
                                                                  env=NO_ENV).warnings)
-    # ZeRO-1/2 has no partial offload: DeepSpeed ignores the key there
-    assert not any("offload_optimizer.ratio" in w for w in resolve(preset="stage2_offload", sets=[f"{key}=0.5"],
-                                                                 env=NO_ENV).warnings)
+    # ZeRO-1/2 has no partial offload: DeepSpeed's DeepSpeedZeroConfig refuses the key there, and so does dstrain
+    with pytest.raises(UserError) as refused:
+        resolve(preset="stage2_offload", sets=[f"{key}=0.5"], env=NO_ENV)
+    assert "Partial offloading only supported for ZeRO Stage 3" in str(refused.value)

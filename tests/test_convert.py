@@ -449,3 +449,16 @@ def test_to_universal_rejects_stage0(checkpoint, tmp_path):
     checkpoint_dir, _ = checkpoint
     with pytest.raises(UserError, match="stage 0"):
         to_universal(checkpoint_dir, tmp_path / "universal")
+
+
+def test_the_command_prints_sentences_not_a_repr(tmp_path):
+    """`dstrain convert-checkpoint` printed `ConversionReport(files=[PosixPath(...)] ...)` (issue 38)."""
+    from dstrain.tools.convert import ConversionReport
+    one = ConversionReport(files=[tmp_path / "model.safetensors"], num_tensors=7, num_parameters=1_234_567,
+                           total_bytes=3 * 2**20, tag="step00000010", stage=3, world_size=2, notes=["approximated"])
+    assert one.summary() == (f"wrote {tmp_path / 'model.safetensors'}: 7 tensors, 1,234,567 parameters, 3.0 MiB, "
+                             "from step00000010 (ZeRO stage 3, saved by 2 ranks).\nnote: approximated")
+    shards = ConversionReport(files=[tmp_path / "a", tmp_path / "b", tmp_path / "index.json"], num_tensors=7,
+                              num_parameters=1, total_bytes=1, tag="t", stage=1, world_size=1)
+    assert shards.summary().startswith(f"wrote 2 shards and their index {tmp_path / 'index.json'}: ")
+    assert "PosixPath" not in one.summary() + shards.summary()

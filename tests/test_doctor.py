@@ -14,8 +14,8 @@ import pytest
 from rich.console import Console
 
 from dstrain.tools import doctor
-from dstrain.launcher.env_fixes import (bytecode_cache_dir, sanitize_cuda_arch_list, separate_cpu_op_builds,
-                                        stale_extension_locks)
+from dstrain.launcher.env_fixes import (bytecode_cache_dir, op_cache_key, private_op_cache, sanitize_cuda_arch_list,
+                                        stale_extension_locks, use_private_op_cache)
 
 ARCH = "TORCH_CUDA_ARCH_LIST"
 
@@ -53,15 +53,18 @@ def test_sanitize_without_the_variable_returns_an_equal_copy():
     assert fixed is not env
 
 
-def test_cpu_ranks_on_a_gpu_host_build_their_ops_apart_from_the_gpus_builds(tmp_path):
-    # DeepSpeed's CPU and CUDA fused_adam share a name, and torch caches a JIT build by name.
+def test_the_op_cache_is_keyed_by_environment_versions_and_accelerator(tmp_path, monkeypatch):
+    # torch keys a JIT build by the op's name alone: two venvs, or CPU and CUDA builds of fused_adam,
+    # shared one folder and clobbered each other's builds (issue 38; CPU ranks on a GPU host, session 12).
     env = {"XDG_CACHE_HOME": str(tmp_path)}
-    folder = separate_cpu_op_builds(env, "cpu", gpus=2)
-    assert folder == env["TORCH_EXTENSIONS_DIR"]
-    assert Path(folder).parent == tmp_path / "torch_extensions" and "cpu" in Path(folder).name
-    for accelerator, gpus, given in (("cuda", 2, {}), ("cpu", 0, {}), ("cpu", 2, {"TORCH_EXTENSIONS_DIR": "/mine"})):
-        unchanged = dict(given)
-        assert separate_cpu_op_builds(unchanged, accelerator, gpus) is None and unchanged == given
+    cpu = use_private_op_cache(env, "cpu")
+    assert env["TORCH_EXTENSIONS_DIR"] == str(cpu) and cpu.parent == tmp_path / "dstrain" / "torch_extensions"
+    assert json.loads((cpu / "environment.json").read_text()) == op_cache_key("cpu")
+    assert private_op_cache(env, "cuda") != cpu and private_op_cache(env, "cpu") == cpu
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another_venv"))
+    assert private_op_cache(env, "cpu") != cpu
+    mine = {"TORCH_EXTENSIONS_DIR": "/mine"}
+    assert use_private_op_cache(mine, "cpu") == Path("/mine") and mine == {"TORCH_EXTENSIONS_DIR": "/mine"}
 
 
 def test_env_fixes_and_doctor_import_without_torch():
@@ -319,6 +322,21 @@ def test_main_returns_1_for_an_unusable_nvme_path(tmp_path, capsys):
     assert doctor.main(json_output=True, nvme_path=file) == 1
     report = json.loads(capsys.readouterr().out)
     assert any(p["check"] == "nvme" and p["severity"] == "error" for p in report["problems"])
+
+
+def test_doctor_shows_where_this_environment_builds_its_ops_and_which_are_built(report, monkeypatch):
+    cache = report["op_cache"]
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        assert cache == {"path": os.environ["TORCH_EXTENSIONS_DIR"], "private": False, "keyed_by": None,
+                         "built": cache["built"]}
+    else:
+        assert cache["path"] == str(private_op_cache(os.environ, "cpu")) and cache["private"] is True
+        assert cache["keyed_by"]["environment"] == os.path.realpath(sys.prefix)
+    assert cache["built"] == sorted(p.parent.name for p in Path(cache["path"]).glob("*/*.so")
+                                    if p.stem == p.parent.name)
+    out = io.StringIO()
+    doctor.render(report, Console(file=out, width=300))
+    assert f"Op build cache: {cache['path']}" in out.getvalue()
 
 
 def test_render_shows_problems_and_their_fixes(report):

@@ -37,7 +37,11 @@ EXPECTED = {
     "impossible_batch.yaml": "global batch 30",
     "fp16_and_bf16.yaml": "fp16 and bf16 are both enabled",
     "nvme_without_path.yaml": "offload_param.nvme_path: NVMe offload needs a path",
-    "offload_param_stage2.yaml": "offload_param works only with ZeRO stage 3",
+    "fp16_on_cpu_ranks.yaml": "fp16_on_cpu_ranks.yaml): fp16 does not run on CPU ranks",
+    "zero_quantized_weights_on_cpu.yaml": "zero_quantized_gradients (from --config",
+    "onebit_optimizer.yaml": "onebit_optimizer.yaml): the installed DeepSpeed 0.19.8 has no optimizer 'OneBitAdam'",
+    "deepspeed_optimizer_type_gone.yaml": "deepspeed.optimizer.type (from --config",
+    "min_loss_scale_fraction.yaml": "deepspeed.fp16.min_loss_scale: Input should be a valid integer",
     "zero_stage_4.yaml": "ZeRO stage must be 0, 1, 2 or 3 (got 4)",
     "export_without_checkpoints.yaml": "train.export_final: export_final converts the last checkpoint, but "
                                        "save_checkpoints is false",

@@ -39,6 +39,7 @@ def check_keys(merged: Merged, problems: list[Problem], warnings: list[str], str
         if isinstance(stage, str) and stage.strip().isdigit() or isinstance(stage, float) and stage.is_integer():
             zero["stage"] = int(stage)  # "3" and 3.0: DeepSpeed's model reads both as 3
     _translate_bfloat16(ds, merged, warnings)
+    _quoted_batch_numbers(ds, merged, problems)
     removed = dsk.removed_keys()
     for section in dsk.sections():
         node = ds if not section.path else get_path(ds, section.path)
@@ -90,6 +91,22 @@ def _unknown_key(section: dsk.SectionKeys, key: str, value: Any, path: str, merg
         warnings.append(f"{where}: unknown {what} key; {ignored}" + (f" ({hint})" if hint else ""))
         return True
     return False
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _quoted_batch_numbers(ds: dict, merged: Merged, problems: list[Problem]) -> None:
+    """DeepSpeed reads the batch keys with dict lookups and does arithmetic on them: a quoted number ("8")
+    stops it at start with "TypeError: '>' not supported between 'str' and 'int'" (Open-Assistant's
+    deepspeed_rl.json), so dstrain refuses it too, with the fix, rather than run what DeepSpeed would not."""
+    for key in BATCH_KEYS:
+        value = ds.get(key)
+        if isinstance(value, str) and value != AUTO:
+            problems.append(Problem(f"must be a number, not the string {value!r}: DeepSpeed's batch arithmetic stops "
+                                    "at start with a TypeError", merged.where(f"deepspeed.{key}"),
+                                    f"write {value.strip()} without quotes" if value.strip().isdigit()
+                                    else 'write a number, or "auto"'))
 
 
 def _ds_path(section_path: str, key: str) -> str:

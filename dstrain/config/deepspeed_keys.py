@@ -11,7 +11,7 @@ constants of the dict-read sections, are read from the installed DeepSpeed's sou
 they follow the installed version without importing it (importing it costs torch, and `dstrain
 config` must answer at once). `misspelling_of` is the rule that tells a typo of a key DeepSpeed
 reads from a foreign key DeepSpeed ignores. Full value validation with DeepSpeed's own models
-happens in `deepspeed_models` at `dstrain run`.
+follows in `deepspeed_models`, in resolution too (`dstrain config` and `run` give one verdict).
 """
 
 from __future__ import annotations

@@ -17,9 +17,11 @@ def presets_dir() -> Path:
     """Where the preset YAML files are: the installed package data, or presets/ of a source checkout
     (an editable install maps only the top-level package, so `dstrain.presets` is not importable there)."""
     try:
-        return Path(str(resources.files("dstrain.presets")))
+        found = Path(str(resources.files("dstrain.presets")))
     except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "presets"
+        found = None
+    # a folder without __init__.py (a symlinked checkout) is a namespace package, whose files() is not a path
+    return found if found is not None and found.is_dir() else Path(__file__).resolve().parents[2] / "presets"
 
 
 def normalize(name: str) -> str:

@@ -25,7 +25,8 @@ from pydantic import ValidationError
 from dstrain.config import autos, deepspeed_checks
 from dstrain.config import deepspeed_keys as dsk
 from dstrain.config.deepspeed_keys import AUTO
-from dstrain.config.layers import DEFAULT, Merged, Source, collect_layers, flatten, get_path, merge, set_path
+from dstrain.config.layers import (DEFAULT, PRESET_RANK, Merged, Source, collect_layers, flatten, get_path, merge,
+                                   set_path)
 from dstrain.config.schema import RunConfig
 from dstrain.config.speed_defaults import check_deepcompile, compile_warnings, render_speed_defaults, resolve_compile
 from dstrain.errors import Problem, UserError
@@ -114,7 +115,8 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     _resolve_batch(config, merged, world_size, problems, notes)
     rendered = _render(config, merged, notes, problems, accelerator, world_size)
     autos.check_autos_left(rendered, merged, ignored, problems)
-    _cross_field_checks(rendered, merged, problems)
+    _cross_field_checks(rendered, merged, problems, warnings)
+    _check_with_deepspeeds_models(rendered, merged, problems)
     resolve_compile(config, rendered, accelerator, notes)
     if config.train.activation_checkpointing == "auto":
         notes["train.activation_checkpointing"] = (
@@ -122,6 +124,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
             "is at most half of it, on otherwise (always on for a model other than the built-in GPT)")
     check_deepcompile(config, rendered, merged, accelerator, problems)
     compile_warnings(config, rendered, merged, warnings)
+    _inapplicable_model_keys(config, merged, warnings)
     _one_gpu_stage3_warning(rendered, merged, world_size, accelerator, warnings)
     _nvme_reuse_warning(rendered, merged, warnings)
     _partial_offload_warning(rendered, merged, warnings)
@@ -473,6 +476,25 @@ def _warmup_warning(config: RunConfig, ds: dict[str, Any], merged: Merged, warni
                         f"of it); set {key} below max_steps, e.g. --set {key}={steps // 10}")
 
 
+GPT_ONLY_KEYS = ("n_layer", "n_head", "d_model", "dropout")  # the built-in GPT's shape; other models bring theirs
+
+
+def _inapplicable_model_keys(config: RunConfig, merged: Merged, warnings: list[str]) -> None:
+    """Model keys the user set that the chosen model never reads: silently ignored, they would look applied."""
+    name = config.model.name
+    user_set = [key for key in GPT_ONLY_KEYS if merged.source_of(f"model.{key}").rank > PRESET_RANK]
+    if name != "gpt":
+        kind = "an \"hf:\" model brings its own (its config.json)" if name.startswith("hf:") else \
+            "a model entry point gets model.kwargs alone"
+        for key in user_set:
+            warnings.append(f"{_where(merged, f'model.{key}')}: applies to the built-in GPT only and is ignored for "
+                            f"model.name={name!r} ({kind}); remove it" +
+                            ("" if name.startswith("hf:") else ", or pass it in model.kwargs"))
+    elif config.model.kwargs and merged.source_of("model.kwargs").rank > PRESET_RANK:
+        warnings.append(f"{_where(merged, 'model.kwargs')}: ignored for the built-in GPT (model.name=gpt), which reads "
+                        "model.n_layer, n_head, d_model, vocab_size and dropout; remove it")
+
+
 def _one_gpu_stage3_warning(ds: dict[str, Any], merged: Merged, world: int, accelerator: str,
                             warnings: list[str]) -> None:
     """Stage 3 on one GPU shards nothing but still pays its gather hooks (docs/benchmarks.md, finding 16)."""
@@ -523,7 +545,28 @@ def _partial_offload_warning(ds: dict[str, Any], merged: Merged, warnings: list[
                         "states); it measured 4-5x slower than full offload; remove the key (ratio 1)")
 
 
-def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Problem]) -> None:
+def _check_with_deepspeeds_models(ds: dict[str, Any], merged: Merged, problems: list[Problem]) -> None:
+    """DeepSpeed's own config models on the rendered JSON, so `config` gives `run`'s verdict (values and
+    types: what the checks above read from DeepSpeed's source cannot see). A key already reported keeps
+    dstrain's message alone."""
+    from dstrain.config import deepspeed_models
+    if not deepspeed_models.available():
+        return  # a laptop without DeepSpeed: the source-read checks above are all there is
+    reported = {p.where.rsplit(": ", 1)[-1] for p in problems}
+    found = deepspeed_models.validate(ds, lambda path: _where(merged, path))
+    for problem in found:
+        path = problem.where.rsplit(": ", 1)[-1]
+        if not any(path == known or path.startswith(known + ".") for known in reported):
+            problems.append(problem)
+    if problems or found:
+        return  # the whole check would repeat them, less precisely
+    refused = deepspeed_models.check_whole(ds)
+    if refused:
+        problems.append(Problem(f"DeepSpeed refuses this config: {refused}", _where(merged, "deepspeed"),
+                                "change the key DeepSpeed names (its config documentation lists the values)"))
+
+
+def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Problem], warnings: list[str]) -> None:
     zero = ds.get("zero_optimization") or {}
     if not isinstance(zero, dict):
         return
@@ -544,12 +587,12 @@ def _cross_field_checks(ds: dict[str, Any], merged: Merged, problems: list[Probl
         if device not in ("none", "cpu", "nvme"):
             problems.append(Problem(f"device must be none, cpu or nvme (got {device!r})", where + ".device",
                                     "e.g. device: cpu"))
-        if device == "nvme" and not section.get("nvme_path"):
+        if device == "nvme" and not section.get("nvme_path") and (part == "offload_optimizer" or stage == 3):
             problems.append(Problem("NVMe offload needs a path", where + ".nvme_path",
                                     f"--set deepspeed.zero_optimization.{part}.nvme_path=/local_nvme/dstrain"))
-        if part == "offload_param" and device != "none" and stage != 3:
-            problems.append(Problem(f"offload_param works only with ZeRO stage 3 (stage is {stage})", where,
-                                    "set deepspeed.zero_optimization.stage=3, or use offload_optimizer instead"))
+        if part == "offload_param" and device != "none" and stage != 3:  # DeepSpeed reads it at stage 3 only
+            warnings.append(f"{where}: DeepSpeed ignores it at stage {stage}; use stage 3 to offload parameters "
+                            "(or offload_optimizer to move the optimizer states)")
         if part == "offload_optimizer" and device != "none" and stage == 0:
             problems.append(Problem("offload_optimizer needs ZeRO stage 1, 2 or 3", where,
                                     "set deepspeed.zero_optimization.stage=2"))

@@ -160,7 +160,8 @@ class TrainConfig(Section):
     DeepSpeed's torch_autocast section; 4 more bytes per parameter). Ignored for fp32. See docs/benchmarks.md."""
     optimizer: Literal["adamw", "adam", "lamb", "onebitadam", "onebitlamb", "zerooneadam"] = "adamw"
     """Optimizer when the deepspeed section names none; Adam/AdamW become FusedAdam on GPU
-    and DeepSpeedCPUAdam when the optimizer is offloaded."""
+    and DeepSpeedCPUAdam when the optimizer is offloaded. The 1-bit ones need a DeepSpeed that still has
+    them (0.19 has not): `dstrain run` checks the installed DeepSpeed's list before any rank starts."""
     lr: NonNegativeFloat = 1e-3
     """Peak learning rate (DeepSpeed's optimizer.params.lr; 0, as in torch, trains nothing)."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)

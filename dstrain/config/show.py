@@ -63,7 +63,7 @@ def plan_lines(config, ds_config: dict, world: int, accelerator: str, preset: st
     opt_dev = (zero.get("offload_optimizer") or {}).get("device", "none")
     par_dev = (zero.get("offload_param") or {}).get("device", "none")
     device = "GPU" if accelerator == "cuda" else "CPU rank memory"
-    where_params = par_dev.upper() if par_dev in ("cpu", "nvme") else device
+    where_params = par_dev.upper() if par_dev in ("cpu", "nvme") and stage == 3 else device  # DeepSpeed: stage 3 only
     where_opt = opt_dev.upper() if opt_dev in ("cpu", "nvme") else device
 
     def sharded(on: bool) -> str:

@@ -23,7 +23,7 @@ from dstrain.errors import UserError
 from dstrain.hangs import hang_timeout_s
 from dstrain.hardware import resolve_accelerator
 from dstrain.launcher import early_start
-from dstrain.launcher.env_fixes import use_bytecode_cache
+from dstrain.launcher.env_fixes import use_bytecode_cache, use_private_op_cache
 from dstrain.launcher.preflight import check_runtime, clear_stale_build_locks
 from dstrain.launcher.options import LaunchOptions
 from dstrain.launcher.ownership import current_holder, multi_node_job_id
@@ -42,6 +42,7 @@ def launch(o: LaunchOptions) -> int:
         raise UserError.single(f"unknown accelerator {o.accelerator!r}", "--accelerator", "use auto, cuda or cpu")
     accelerator = resolve_accelerator(o.accelerator)
     os.environ["DS_ACCELERATOR"] = accelerator  # DeepSpeed, imported for the checks below, asks no more
+    use_private_op_cache(os.environ, accelerator)  # this environment's op builds: here (stale locks) and in the ranks
     use_bytecode_cache()  # before this process and the ranks import torch
     shape = job_shape(o, accelerator)
     _warn_about_launcher(o, shape, console)

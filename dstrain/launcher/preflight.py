@@ -13,7 +13,7 @@ import shlex
 from rich.console import Console
 
 from dstrain.config.resolve import ResolvedConfig
-from dstrain.errors import UserError
+from dstrain.errors import Problem, UserError
 
 
 def _fit_nvme_swap_buffer(resolved: ResolvedConfig, largest: int) -> None:
@@ -26,16 +26,73 @@ def _fit_nvme_swap_buffer(resolved: ResolvedConfig, largest: int) -> None:
                                  "the model's largest parameter must fit one NVMe swap buffer")
 
 
-def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
-    """Checks that import DeepSpeed/torch: DeepSpeed's config models, the model (built on the meta
-    device: no memory) and the data source. Returns the parameter count and how many of them train."""
-    from dstrain.config import deepspeed_models
-    problems = deepspeed_models.validate(resolved.ds_config)
+def _named(resolved: ResolvedConfig, *paths: str) -> str:
+    """Key paths with the layer that set them, for a message: 'train.precision (from --config run.yaml)'."""
+    def one(path: str) -> str:
+        source = resolved.sources.get(path, "default")
+        return path if source == "default" else f"{path} (from {source})"
+    # a key that only follows another named here ("follows train.precision") adds nothing
+    kept = [p for p in paths if not any(f"follows {other}" in resolved.sources.get(p, "") for other in paths)]
+    return " / ".join(one(p) for p in kept)
+
+
+def check_runnable(resolved: ResolvedConfig) -> None:
+    """What the chosen accelerator or the installed DeepSpeed cannot run, each refused with its key path
+    and fix, before any rank starts (DeepSpeed would stop every rank at start, or minutes later). DeepSpeed
+    is asked, not a list kept here: its CPU accelerator's fp16 support and op builders, its optimizers."""
+    problems = []
+    ds = resolved.ds_config
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    if resolved.accelerator == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+        from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder
+        cpu = CPU_Accelerator()
+        if resolved.precision == "fp16" and not cpu.is_fp16_supported():
+            problems.append(Problem("fp16 does not run on CPU ranks: DeepSpeed's CPU accelerator refuses it at start "
+                                    "('Type fp16 is not supported on your device')",
+                                    _named(resolved, "train.precision", "deepspeed.fp16.enabled"),
+                                    "set train.precision=bf16 (or fp32), or run on GPUs (--accelerator cuda)"))
+        quantized = [key for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                                     "zero_quantized_gradients") if zero.get(key) is True]
+        if quantized and isinstance(cpu.create_op_builder("QuantizerBuilder"), NotImplementedBuilder):
+            problems.append(Problem("ZeRO++ quantization needs DeepSpeed's quantizer op, which exists only for CUDA",
+                                    _named(resolved, *(f"deepspeed.zero_optimization.{key}" for key in quantized)),
+                                    "remove " + ", ".join(quantized) + " (or set false) for CPU ranks, "
+                                    "or run on GPUs (--accelerator cuda)"))
+    problems += _optimizer_problems(resolved)
     if resolved.config.model.lora is not None:
         from dstrain.models.hf import check_quantize
-        problems += check_quantize(resolved.config, resolved.ds_config, resolved.accelerator)
+        problems += check_quantize(resolved.config, ds, resolved.accelerator)
     if problems:
         raise UserError(problems)
+
+
+def _optimizer_problems(resolved: ResolvedConfig) -> list:
+    """DeepSpeed builds optimizer.type by name: one of its own (runtime/config.py's DEEPSPEED_OPTIMIZERS,
+    case-insensitive) or a torch.optim class; anything else stops every rank at start. The 1-bit
+    optimizers (OneBitAdam, OneBitLamb, ZeroOneAdam) are gone from DeepSpeed 0.19."""
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    optimizer = resolved.ds_config.get("optimizer")
+    name = optimizer.get("type") if isinstance(optimizer, dict) else None
+    if not isinstance(name, str) or name.lower() in DEEPSPEED_OPTIMIZERS or getattr(torch.optim, name, None):
+        return []
+    from_train = "train.optimizer" in resolved.sources.get("deepspeed.optimizer.type", "")
+    import deepspeed
+    known = sorted(DEEPSPEED_OPTIMIZERS)
+    where = _named(resolved, "train.optimizer") if from_train else _named(resolved, "deepspeed.optimizer.type")
+    fix = ("set train.optimizer=adamw (or adam, lamb)" if from_train else
+           f"use one of DeepSpeed's ({', '.join(known)}) or a torch.optim class name, e.g. AdamW")
+    return [Problem(f"the installed DeepSpeed {deepspeed.__version__} has no optimizer {name!r} (DeepSpeed would stop "
+                    f"every rank at start: '{name} is not a supported DeepSpeed Optimizer')", where, fix)]
+
+
+def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
+    """Checks that import DeepSpeed/torch: what the accelerator and the installed DeepSpeed cannot run,
+    the model (built on the meta device: no memory) and the data source. Returns the parameter count and
+    how many of them train. (DeepSpeed's config models already ran in resolution: `dstrain config` gives
+    the same verdict.)"""
+    check_runnable(resolved)
     from dstrain.models import check_model
     try:
         facts = check_model(resolved.config)

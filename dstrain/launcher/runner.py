@@ -79,12 +79,11 @@ def local_launch_command(o: LaunchOptions, ranks: int, run_dir: Path, port: int)
 
 
 def rank_env(accelerator: str, ranks: int) -> dict[str, str]:
-    from dstrain.hardware import cuda_gpu_count
-    from dstrain.launcher.env_fixes import sanitize_cuda_arch_list, separate_cpu_op_builds
+    from dstrain.launcher.env_fixes import sanitize_cuda_arch_list, use_private_op_cache
     env, note = sanitize_cuda_arch_list(os.environ)
     if note:
         Console(stderr=True).print(f"[yellow]note:[/] {note}")
-    separate_cpu_op_builds(env, accelerator, cuda_gpu_count())
+    use_private_op_cache(env, accelerator)
     env["DS_ACCELERATOR"] = accelerator
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     env["PYTHONUNBUFFERED"] = "1"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dstrain.launcher.failures import failure_report
 from dstrain.launcher.watchdog import Watchdog
 from dstrain.rundir import GAVE_UP, RANKS
 
@@ -28,8 +29,10 @@ GAVE_UP_EXIT = 1  # the run health guard gave up (dstrain/rank/health.py)
 STOP_GRACE_S = 110  # a preempted job must be gone within 120 s; ranks get this long to save
 
 
+# The launcher's own lines; its "[ERROR] [...] exits with return code" repeats what dstrain's failure message says.
 _RUNNER_NOISE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|DEBUG)\]|Setting accelerator to CPU|"
-                           r"Unable to find hostfile|get learning rate from scheduler before it has started")
+                           r"Unable to find hostfile|get learning rate from scheduler before it has started|"
+                           r"\[ERROR\] \[launch\.py:\d+:\w+\] .* exits with return code = ")
 
 
 def live_rank_pids(run_dir: Path, own_ranks: range | None = None) -> dict[int, int]:
@@ -78,22 +81,6 @@ def remove_allreduce_buffers(port: int | str) -> None:
             leftover.unlink()
         except OSError:
             pass
-
-
-def failure_report(run_dir: Path, alive: set[int]) -> list[str]:
-    """Which ranks failed and how, from the records ranks leave under ranks/. `alive`: ranks still
-    running when the launcher gave up (they were stopped because of another rank, not failed)."""
-    directory = run_dir / RANKS
-    started = sorted(int(p.name[4:-4]) for p in directory.glob("rank*.pid"))
-    records = {r: directory / f"rank{r}.exit" for r in started}
-    silent = [r for r in started if not records[r].exists() and r not in alive]
-    if silent:  # no record at all: killed from outside (SIGKILL, the OOM killer) or crashed hard
-        return [f"rank {r} died without reporting (killed by a signal such as SIGKILL, or out of memory)"
-                for r in silent]
-    texts = {r: records[r].read_text() for r in started if records[r].exists()}
-    failed = sorted((records[r].stat().st_mtime_ns, r, text or "failed; its report could not be written (disk full?)")
-                    for r, text in texts.items() if text != "ok")
-    return [("" if i == 0 else "  then ") + f"rank {r}: {text}" for i, (_, r, text) in enumerate(failed)]
 
 
 def start_launcher(command: list[str], env: dict[str, str]) -> subprocess.Popen:

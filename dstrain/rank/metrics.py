@@ -71,6 +71,21 @@ def engine_stats(engine) -> dict[str, float]:
     return stats
 
 
+BAR_WIDTH = 12
+# fields of the live bar, most needed first: loss, throughput, memory, then the rest
+_FIT_ORDER = (0, 3, 5, 1, 4, 2)
+
+
+def _fit(fields: list[str], budget: int) -> str:
+    """The fields that fit `budget` characters, joined by two spaces, in their own order; the most needed
+    (_FIT_ORDER) are kept first."""
+    kept: set[int] = set()
+    for index in _FIT_ORDER:
+        if fields[index] and len("  ".join(fields[i] for i in sorted(kept | {index}))) <= budget:
+            kept.add(index)
+    return "  ".join(fields[i] for i in sorted(kept))
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
@@ -103,7 +118,7 @@ class MetricsLog:
                      "tokens_per_step": self.tokens_per_step, "time": time.time()})
         if not self.console.is_terminal:
             return
-        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=BAR_WIDTH), MofNCompleteColumn(),
                                  TextColumn("{task.fields[info]}"), TextColumn("eta"), TimeRemainingColumn(),
                                  console=self.console)
         self.task = self.progress.add_task("train", total=self.max_steps, completed=step, info="")
@@ -150,15 +165,17 @@ class MetricsLog:
         self._show(step, values, eta_s=(self.max_steps - step) * elapsed / steps)
 
     def _show(self, step: int, v: dict[str, float], eta_s: float) -> None:
-        info = f"loss {v['loss']:.4f}  lr {v['lr']:.2e}"
-        if "grad_norm" in v:
-            info += f"  gnorm {v['grad_norm']:.3g}"
-        info += f"  {v['tokens_per_s']:,.0f} tok/s"
-        info += f"  MFU {v['mfu']:.1%}" if "mfu" in v else f"  {v['tflops_per_device']:.2f} TFLOP/s"
-        info += f"  mem {v['memory_gib']:.2f} GiB"
+        fields = [f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
+                  f"gnorm {v['grad_norm']:.3g}" if "grad_norm" in v else "", f"{v['tokens_per_s']:,.0f} tok/s",
+                  f"MFU {v['mfu']:.1%}" if "mfu" in v else f"{v['tflops_per_device']:.2f} TFLOP/s",
+                  f"mem {v['memory_gib']:.2f} GiB"]
         if self.progress is not None:
-            self.progress.update(self.task, completed=step, info=info)
+            # the live bar is one line: what does not fit the terminal goes, least needed first
+            steps = len(str(self.max_steps))
+            budget = self.console.width - (BAR_WIDTH + 2 * steps + 24)  # "train", "/", "eta 0:00:00", spaces, spare
+            self.progress.update(self.task, completed=step, info=_fit(fields, budget))
         else:
+            info = "  ".join(f for f in fields if f)
             self.console.print(f"step {step}/{self.max_steps}  {info}  eta {_duration(eta_s)}", soft_wrap=True)
 
     def log_eval(self, step: int, loss: float) -> None:

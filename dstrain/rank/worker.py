@@ -10,6 +10,7 @@ RUN_DIR/ranks/, so `dstrain run` can name the rank that failed, and reports its 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ import traceback
 from pathlib import Path
 
 from dstrain import rundir
-from dstrain.rank import heartbeat
+from dstrain.rank import heartbeat, output
 
 if __name__ == "__main__" and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     # Run as a file (DeepSpeed's slurm backend has no -m): dstrain/ itself must not shadow
@@ -229,17 +230,27 @@ def _restore(engine, resume: dict, rank: int, world: int) -> dict:
     return load(engine, resume["directory"], resume["tag"], rank, world)
 
 
+def _verbose(run_dir: Path) -> bool:
+    """--verbose, from launch.json (read as plain JSON: the rank has not imported pydantic yet)."""
+    try:
+        return bool(json.loads((run_dir / rundir.LAUNCH).read_text()).get("verbose"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def main(argv: list[str]) -> int:
     positional = [a for a in argv if not a.startswith("--")]
     if not positional:
         print("usage: python -m dstrain.rank.worker RUN_DIR (started by `dstrain run`)", file=sys.stderr)
         return 2
     run_dir = Path(positional[0])
+    output.install()  # before torch and DeepSpeed are imported: their known noise goes to the rank log
     caught, previous_handlers = _catch_stop_signals()  # before the pid is published: `dstrain run` signals it
     gate = os.environ.get(rundir.START_GATE_ENV)
     if gate and not _wait_at_start_gate(gate, caught):
         return 0
     record(run_dir, "pid", str(os.getpid()))
+    output.open_log(run_dir, _rank(), _verbose(run_dir))
     try:
         heartbeat.start(run_dir, _rank())
     except OSError as err:  # best effort, like the records: no hang detection for this rank
@@ -252,16 +263,17 @@ def main(argv: list[str]) -> int:
         close_process_groups()
         record(run_dir, "exit", "ok")
         return code
-    except UserError as err:
-        print(f"rank {_rank()}: error: {err}", file=sys.stderr)
+    except UserError as err:  # `dstrain run` prints it once, from the exit record
+        output.write_log_only(f"rank {_rank()}: error: {err}\n")
         record(run_dir, "exit", f"error: {err}")
         return 2
     except RunUnhealthy as err:  # rank 0 has printed the report
         record(run_dir, "exit", err.summary)
         return 1
     except BaseException as err:  # noqa: BLE001 - report which rank failed and why, then fail
-        traceback.print_exc()
-        print(f"rank {_rank()} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        # The traceback goes to the rank log (the console too with --verbose); `dstrain run` prints one
+        # message for the run, from the exit record, naming the rank that failed first and this log.
+        output.write_log_only(traceback.format_exc() + f"rank {_rank()} failed: {type(err).__name__}: {err}\n")
         record(run_dir, "exit", "failed: " + "".join(traceback.format_exception_only(type(err), err)).strip())
         return 1
     finally:

@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 import dstrain
-from dstrain.launcher.env_fixes import (ARCH_LIST_VAR, bytecode_cache_dir, sanitize_cuda_arch_list,
-                                        stale_extension_locks, torch_package)
+from dstrain.launcher.env_fixes import (ARCH_LIST_VAR, built_ops, bytecode_cache_dir, op_cache, op_cache_key,
+                                        sanitize_cuda_arch_list, stale_extension_locks, torch_package)
 
 # The ops dstrain's features rely on, and what each is for.
 KEY_OPS = {
@@ -101,12 +101,13 @@ def collect(nvme_path: Path | None = None) -> Report:
     if ds is not None:
         report["versions"]["deepspeed"] = ds.__version__
         report["accelerator"] = _accelerator(report, problems)
+        report["op_cache"] = _op_cache(report["accelerator"]["name"])
         report["ops"] = _ops(torch, report["accelerator"]["name"])
         report["build_tools"] = _build_tools(report["ops"], problems)
 
     report["libaio"] = _libaio(report.get("ops", {}), nvme_path is not None, problems)
     report["torch_cuda_arch_list"] = _arch_list(report.get("gpus", []), problems)
-    report["extension_locks"] = _locks(problems)
+    report["extension_locks"] = _locks(problems, Path(report["op_cache"]["path"]) if "op_cache" in report else None)
     report["shm_buffers"] = _shm_buffers(problems)
 
     nvme, nvme_problems = check_nvme(nvme_path or Path(tempfile.gettempdir()),
@@ -258,20 +259,13 @@ def _accelerator(report: Report, problems: Problems) -> dict[str, Any]:
     }
 
 
-def _torch_extensions_build_dir(torch: Any) -> Path:
-    """The folder torch's JIT `load()` builds into, computed without creating it."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if torch.version.hip is not None:
-        device = "rocm" + torch.version.hip.replace(".", "")
-    elif torch.version.cuda is not None:
-        device = "cu" + torch.version.cuda.replace(".", "")
-    else:
-        device = "cpu"
-    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{python}_{device}"
+def _op_cache(accelerator: str) -> dict[str, Any]:
+    """Where dstrain's ranks build DeepSpeed's JIT ops on this machine for `accelerator`, and what is built:
+    the user's TORCH_EXTENSIONS_DIR, else dstrain's private folder for this Python environment and these
+    torch and DeepSpeed versions (dstrain/launcher/env_fixes.py, op_cache)."""
+    folder, private = op_cache(os.environ, accelerator)
+    return {"path": str(folder), "private": private, "keyed_by": op_cache_key(accelerator) if private else None,
+            "built": built_ops(folder)}
 
 
 def _ops(torch: Any, accelerator: str) -> dict[str, dict[str, Any]]:
@@ -280,7 +274,7 @@ def _ops(torch: Any, accelerator: str) -> dict[str, dict[str, Any]]:
 
     # Prebuilt ops only load when they were built for the accelerator in use now.
     prebuilt_for = getattr(git_version_info, "accelerator_name", "")
-    build_dir = _torch_extensions_build_dir(torch)
+    build_dir, _ = op_cache(os.environ, accelerator)
     ops = {}
     for name, builder in sorted(ALL_OPS.items()):
         try:
@@ -410,8 +404,8 @@ def _arch_list(gpus: list[dict[str, Any]], problems: Problems) -> dict[str, Any]
     return info
 
 
-def _locks(problems: Problems) -> dict[str, Any]:
-    stale = stale_extension_locks()
+def _locks(problems: Problems, folder: Path | None) -> dict[str, Any]:
+    stale = stale_extension_locks(folder)
     for lock in stale:
         _problem(problems, "extension_locks", "error",
                  f"stale build lock {lock}: the next JIT build of {lock.parent.name} will hang forever",
@@ -575,6 +569,8 @@ def render(report: Report, console: Console) -> None:
         console.print(_gpu_table(report["gpus"]))
     if "ops" in report:
         console.print(_ops_table(report["ops"]))
+    if "op_cache" in report:
+        console.print(_op_cache_line(report["op_cache"]), soft_wrap=True)
     console.print(_offload_dir_table(report["nvme"]))
     _print_problems(report["problems"], console)
 
@@ -625,6 +621,13 @@ def _ops_table(op_facts: dict) -> Table:
         ops.add_row(name, _yes(op["compatible"]), _yes(op["installed"]), _yes(op["jit_cached"]),
                     KEY_OPS.get(name, ""))
     return ops
+
+
+def _op_cache_line(cache: dict) -> str:
+    built = ", ".join(cache["built"]) if cache["built"] else "none yet (the first run builds what it needs)"
+    whose = ("dstrain's own for this Python environment and its torch and DeepSpeed versions"
+             if cache["private"] else "TORCH_EXTENSIONS_DIR, as you set it")
+    return f"Op build cache: {cache['path']} ({whose}). Built: {built}."
 
 
 def _offload_dir_table(nvme: dict) -> Table:

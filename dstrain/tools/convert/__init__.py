@@ -65,6 +65,17 @@ class ConversionReport:
     world_size: int  # data-parallel ranks that saved it
     notes: list[str] = field(default_factory=list)  # things the user should know (approximations)
 
+    def summary(self) -> str:
+        """What was written, in sentences (what `dstrain convert-checkpoint` prints)."""
+        if len(self.files) == 1:
+            where = f"wrote {self.files[0]}"
+        else:  # the shards, then the index
+            where = f"wrote {len(self.files) - 1} shards and their index {self.files[-1]}"
+        lines = [f"{where}: {self.num_tensors:,} tensors, {self.num_parameters:,} parameters, "
+                 f"{self.total_bytes / 2**20:,.1f} MiB, from {self.tag} (ZeRO stage {self.stage}, "
+                 f"saved by {self.world_size} rank{'s' if self.world_size != 1 else ''})."]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
 
 def convert_checkpoint(
     checkpoint_dir: Path,

@@ -13,8 +13,10 @@ refused at world 2 for batch arithmetic alone; it is then tried again at the wor
 size its numbers imply, and the table says so.
 
 Usage (from the repository root, in the project venv):
-    python tests/configs/realworld/check_deepspeed_accepts.py [--markdown]
+    python tests/configs/realworld/check_deepspeed_accepts.py [--markdown] [--write]
 Prints one row per file: file, strict JSON, accepted, DeepSpeed's error (first line).
+With --write, also records the verdicts in deepspeed_verdicts.json beside the files: the
+fast lane (tests/test_config_realworld.py) checks dstrain's verdict against it on every file.
 """
 
 import json
@@ -224,6 +226,10 @@ def main():
     refused = sum(1 for r in rows if r[2] == "no")
     elsewhere = sum(1 for r in rows if r[2].startswith("at world"))
     version = __import__("deepspeed").__version__
+    if "--write" in sys.argv:
+        verdicts = {"deepspeed": version, "torch": __import__("torch").__version__, "world": WORLD,
+                    "files": {name: {"accepted": accepted, "error": error} for name, _, accepted, error in rows}}
+        (HERE / "deepspeed_verdicts.json").write_text(json.dumps(verdicts, indent=1, sort_keys=True) + "\n")
     print(
         f"# {len(rows)} files, DeepSpeed {version}: {len(rows) - refused - elsewhere} accepted at world {WORLD}, "
         f"{elsewhere} accepted only at another world size, {refused} refused"

@@ -1,0 +1,78 @@
+"""Each Python environment builds DeepSpeed's JIT ops in its own folder (issue 38): two venvs on one
+machine get different op caches, keyed by the environment, and a second start in the same environment
+finds its build instead of building again.
+
+The two venvs are real (`python -m venv`), sharing this environment's installed packages through a .pth
+file, as a second checkout's venv would hold the same torch. The build is a real torch JIT extension
+built the way DeepSpeed builds its ops (torch.utils.cpp_extension, cached by name in
+TORCH_EXTENSIONS_DIR), the smallest there is: DeepSpeed's own CPU ops take ~100 s each on 2 cores, so
+the probe builds once, in one venv, and the other venv's folder is shown apart without a second build."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+RANK_ENV = """
+import json
+from dstrain.launcher.runner import rank_env
+print(json.dumps(rank_env("cpu", 1)["TORCH_EXTENSIONS_DIR"]))
+"""
+
+# What a rank does when it loads an op: torch's JIT load, by name, into TORCH_EXTENSIONS_DIR.
+LOAD_OP = """
+import os, time
+import torch.utils.cpp_extension as cpp
+started = time.perf_counter()
+op = cpp.load_inline(name="dstrain_op_cache_probe", cpp_sources="int64_t add_one(int64_t x) { return x + 1; }",
+                     functions=["add_one"], extra_cflags=["-O0"])
+assert op.add_one(41) == 42
+print(time.perf_counter() - started)
+"""
+
+
+def make_venv(where: Path) -> Path:
+    """A real venv whose site-packages reach this environment's packages and this checkout."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
+    python = where / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "shared.pth").write_text(f"{REPO}\n{sysconfig.get_paths()['purelib']}\n")
+    return python
+
+
+def in_venv(python: Path, code: str, env: dict) -> str:
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.integration
+def test_two_venvs_build_apart_and_a_second_start_finds_its_build(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "PYTHONPATH", "VIRTUAL_ENV")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # not the machine's real cache
+    first, second = make_venv(tmp_path / "venv_a"), make_venv(tmp_path / "venv_b")
+    folder_a = Path(json.loads(in_venv(first, RANK_ENV, env)))
+    folder_b = Path(json.loads(in_venv(second, RANK_ENV, env)))
+    assert folder_a != folder_b and folder_a.parent == folder_b.parent == tmp_path / "cache/dstrain/torch_extensions"
+    for venv, folder in ((tmp_path / "venv_a", folder_a), (tmp_path / "venv_b", folder_b)):
+        assert json.loads((folder / "environment.json").read_text())["environment"] == str(venv.resolve())
+
+    ranks_a = {**env, "TORCH_EXTENSIONS_DIR": str(folder_a)}
+    built_s = float(in_venv(first, LOAD_OP, ranks_a))
+    library = folder_a / "dstrain_op_cache_probe" / "dstrain_op_cache_probe.so"
+    built_at = library.stat().st_mtime_ns
+    again_s = float(in_venv(first, LOAD_OP, ranks_a))  # a second start in the same environment
+    assert library.stat().st_mtime_ns == built_at  # found, not built again
+    assert again_s < built_s / 3, (built_s, again_s)
+    assert not (folder_b / "dstrain_op_cache_probe").exists()  # the other venv would build its own, apart
+    print(f"op cache probe: built in {built_s:.1f} s, found by the second start in {again_s:.2f} s")
