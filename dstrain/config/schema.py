@@ -102,6 +102,12 @@ class DataConfig(Section):
     """How rows of the jsonl/json/parquet/datasets sources become tokens: "text" (documents packed into
     seq_len windows, end-of-text between them), "prompt_response" (loss on the response only) or "chat"
     (messages rendered by the chat template, loss on assistant turns only); see docs/data.md."""
+    packing: bool | Literal["auto"] = "auto"
+    """Several whole examples per seq_len row (formats other than "text"), each with its own position
+    ids and no attention across examples, instead of one example padded to seq_len. "auto": on where
+    the model keeps packed examples apart (the built-in GPT; "hf:" models whose attention transformers
+    masks per example), else padding, with a note; true: on, or an error where the model cannot;
+    false: one padded example per row."""
     fields: DataFields = DataFields()
     """Names of the fields each row is read from (format "text": fields.text, ...)."""
     chat_template: str | None = None
@@ -115,6 +121,9 @@ class DataConfig(Section):
     """Fraction of the data held out for evaluation (taken from the end)."""
     kwargs: dict[str, Any] = {}
     """Keyword arguments passed to a data entry point."""
+
+
+STREAM_EVAL_BATCHES = 8  # train.eval_batches left unset, for a token-stream source
 
 
 class TrainConfig(Section):
@@ -178,8 +187,12 @@ class TrainConfig(Section):
     pip install 'dstrain[wandb]'), "csv" (RUN_DIR/metrics.csv). Several at once: [tensorboard, csv]."""
     eval_every: PositiveInt = 100
     """Evaluate on the held-out split every this many steps, and at the end."""
-    eval_batches: PositiveInt = 8
-    """Global batches of held-out samples in one evaluation (the same samples whatever the world size)."""
+    eval_batches: PositiveInt | None = None
+    """Global batches of held-out samples in one evaluation, each sample at most once (fewer when the
+    held-out split holds fewer). Unset: every held-out sample once for rows (jsonl, json, parquet,
+    datasets) and entry-point datasets; 8 global batches (STREAM_EVAL_BATCHES) for the token streams
+    (corpus, synthetic, text, tokens), whose held-out split may be large. The same samples whatever
+    the world size."""
     save_every: PositiveInt = 100
     """Save a checkpoint every this many steps, and at the end."""
     save_checkpoints: bool = True
