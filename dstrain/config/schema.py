@@ -80,6 +80,24 @@ class DataFields(Section):
     """The response, for format "prompt_response" (the loss is on it and on the end-of-text after it)."""
     messages: str = "messages"
     """The conversation, for format "chat": a list of {"role": ..., "content": ...} messages."""
+    instruction: str = "instruction"
+    """The instruction, for format "alpaca" (no loss on it)."""
+    input: str = "input"
+    """The optional input (context) of format "alpaca"; a row without it, or with it empty, has none."""
+    output: str = "output"
+    """The answer, for format "alpaca" (the loss is on it and on the end-of-text after it)."""
+    conversations: str = "conversations"
+    """The conversation, for format "sharegpt": a list of {"from": ..., "value": ...} turns."""
+    role: str = "from"
+    """The key of a turn's speaker, for format "sharegpt"."""
+    content: str = "value"
+    """The key of a turn's text, for format "sharegpt"."""
+    roles: dict[str, str] = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                             "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+                             "system": "system", "tool": "tool", "function_call": "assistant",
+                             "observation": "tool"}
+    """Speaker names of format "sharegpt" -> chat roles (user, assistant, system, tool); a turn whose
+    speaker is not listed is an error naming it. Setting this replaces the whole mapping."""
 
 
 class DataConfig(Section):
@@ -98,10 +116,12 @@ class DataConfig(Section):
     tokenizer: str | None = None
     """"byte" (one token per UTF-8 byte, vocab 256) or a Hugging Face tokenizer name or directory; unset:
     the model's own tokenizer for "hf:" models, else "byte"."""
-    format: Literal["text", "prompt_response", "chat"] = "text"
+    format: Literal["text", "prompt_response", "chat", "alpaca", "sharegpt"] = "text"
     """How rows of the jsonl/json/parquet/datasets sources become tokens: "text" (documents packed into
-    seq_len windows, end-of-text between them), "prompt_response" (loss on the response only) or "chat"
-    (messages rendered by the chat template, loss on assistant turns only); see docs/data.md."""
+    seq_len windows, end-of-text between them), "prompt_response" (loss on the response only), "chat"
+    (OpenAI-style messages rendered by the chat template, loss on assistant turns only), "alpaca"
+    (instruction/input/output; loss on the output) or "sharegpt" (conversations of {from, value}
+    turns, read as chat); see docs/data.md."""
     packing: bool | Literal["auto"] = "auto"
     """Several whole examples per seq_len row (formats other than "text"), each with its own position
     ids and no attention across examples, instead of one example padded to seq_len. "auto": on where
@@ -111,7 +131,9 @@ class DataConfig(Section):
     fields: DataFields = DataFields()
     """Names of the fields each row is read from (format "text": fields.text, ...)."""
     chat_template: str | None = None
-    """A Jinja chat template file that replaces the tokenizer's own, for format "chat"."""
+    """For formats "chat" and "sharegpt" (and "alpaca", which otherwise uses the Alpaca prompt): the name
+    of a template of dstrain/data/templates.py (e.g. chatml, llama3) or a Jinja template file, replacing
+    the tokenizer's own; unset: the tokenizer's own template."""
     split: str = "train"
     """The split to read from a "datasets" directory that holds several (a DatasetDict)."""
     cache_dir: str | None = None
