@@ -13,7 +13,8 @@ import torch
 
 from dstrain.config.schema import RunConfig
 from dstrain.data import packing
-from dstrain.data.sampler import ExampleSampler, PackedExampleSampler, pack_rows, rank_batch
+from dstrain.data.binpack import pack_rows
+from dstrain.data.sampler import ExampleSampler, PackedExampleSampler, rank_batch
 from dstrain.errors import UserError
 
 IGNORE = -100

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dstrain.data.binpack import efficiency, pack_rows
+
 
 class WindowSampler:
     """Fixed-length (input, target) windows from a token stream, in a seeded order.
@@ -183,7 +185,7 @@ class ExampleSampler:
     @property
     def efficiency(self) -> float:
         """Real tokens / row tokens over one pass."""
-        return float(self.lengths.sum()) / (self.size * self.seq_len)
+        return efficiency(self.lengths, self.size, self.seq_len)
 
     def real_tokens(self, first: int, count: int) -> int:
         return int(sum(self.lengths[self.order.item(s)] for s in range(first, first + count)))
@@ -200,41 +202,6 @@ class ExampleSampler:
             input_ids[row, :stop - start] = torch.from_numpy(np.asarray(self.ids[start:stop], dtype=np.int64))
             labels[row, :stop - start] = torch.from_numpy(np.asarray(self.labels[start:stop], dtype=np.int64))
         return {"input_ids": input_ids, "labels": labels}
-
-
-PACK_BLOCK = 2048  # examples per first-fit-decreasing block: large enough to pack tightly, small enough to stay fast
-
-
-def pack_rows(lengths: np.ndarray, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Examples grouped into rows of at most seq_len tokens: (items, row_offsets), row j holding
-    examples items[row_offsets[j]:row_offsets[j + 1]].
-
-    The examples are shuffled (seeded), then each block of PACK_BLOCK examples is packed by
-    first-fit-decreasing: longest first, each into the first row it fits. Blocks keep the cost near
-    linear and mix short and long examples as the data does."""
-    order = np.random.default_rng([seed, 0x9ACC]).permutation(len(lengths))
-    items: list[int] = []
-    row_offsets = [0]
-    for start in range(0, len(order), PACK_BLOCK):
-        block = order[start:start + PACK_BLOCK]
-        block = block[np.argsort(-lengths[block], kind="stable")]
-        free = np.empty(len(block), dtype=np.int64)  # room left in each open row
-        rows: list[list[int]] = []
-        for example in block:
-            need = int(lengths[example])
-            fits = np.flatnonzero(free[:len(rows)] >= need)
-            if len(fits):
-                row = int(fits[0])
-            else:
-                row = len(rows)
-                rows.append([])
-                free[row] = seq_len
-            rows[row].append(int(example))
-            free[row] -= need
-        for row in rows:
-            items += row
-            row_offsets.append(len(items))
-    return np.asarray(items, dtype=np.int64), np.asarray(row_offsets, dtype=np.int64)
 
 
 class PackedExampleSampler:
@@ -264,7 +231,7 @@ class PackedExampleSampler:
     @property
     def efficiency(self) -> float:
         """Real tokens / row tokens over one pass."""
-        return float(self.row_tokens.sum()) / (self.size * self.seq_len)
+        return efficiency(self.lengths, self.size, self.seq_len)
 
     def row_examples(self, row: int) -> np.ndarray:
         return self.items[self.row_offsets[row]:self.row_offsets[row + 1]]
