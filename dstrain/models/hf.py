@@ -71,7 +71,8 @@ class CausalLM(nn.Module):
 
     def forward(self, batch) -> torch.Tensor:
         if isinstance(batch, dict):
-            if "position_ids" in batch and self.model.config._attn_implementation.startswith("flash"):
+            attention = getattr(self.model.config, "_attn_implementation", None) or ""
+            if "position_ids" in batch and attention.startswith("flash"):
                 # transformers' flash path finds packed examples in the position ids only for a
                 # batch of one row; every row starts an example (label -100), so rows join end to end.
                 batch = {key: value.reshape(1, -1) for key, value in batch.items()}
