@@ -296,3 +296,35 @@ def test_evaluation_covers_every_held_out_row_once_and_weighs_every_label_alike(
     assert loss == pytest.approx(out["expected"], rel=1e-5)
     assert out["1"][1:] == [2, pytest.approx(out["1"][2]), out["rows"]]  # 1 global batch: 2 rows
     assert out["1"][2] < out["examples"]
+
+
+CHECKPOINTED_SCRIPT = """
+    from dstrain.data.sampler import PackedExampleSampler
+    from dstrain.models.gpt import GPT
+    sys.path.insert(0, "TESTS")
+    from test_packing import examples
+
+    ids, labels, offsets = examples(count=12)
+    batch = PackedExampleSampler(ids, labels, offsets, 48, pad_id=0, seed=1).batch(0, 3)
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = GPT(256, 48, 32, 2, 4)
+        if checkpointed:
+            deepspeed.checkpointing.configure(None)
+            model.enable_checkpointing(deepspeed.checkpointing.checkpoint)
+        loss = model(batch)
+        loss.backward()
+        grads.append([float(loss)] + [float(p.grad.abs().sum()) for p in model.parameters()])
+    result(grads)
+"""
+
+
+def test_the_built_in_gpt_packs_under_deepspeeds_activation_checkpointing():
+    """The document mask travels through DeepSpeed's checkpoint with each block: the same loss and
+    gradients as without recomputation."""
+    from pathlib import Path
+
+    from one_rank import run_one_rank
+    plain, checkpointed = run_one_rank(CHECKPOINTED_SCRIPT.replace("TESTS", str(Path(__file__).parent)), timeout=300)
+    assert checkpointed == pytest.approx(plain, rel=1e-6)
