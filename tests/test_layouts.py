@@ -177,3 +177,19 @@ def test_the_tokenizers_own_template_is_used_when_none_is_named(tmp_path, tokeni
     ((ids, _),), _ = examples_of(data_config(tmp_path, [{"messages": CONVERSATION}], format="chat",
                                              tokenizer=tokenizer_dirs["chatml"]))
     assert tok.decode(ids) == tok.apply_chat_template(CONVERSATION, tokenize=False)
+
+
+def test_the_dry_run_checks_warn_of_an_ignored_template_and_of_markers_the_tokenizer_lacks(tmp_path, tokenizer_dirs):
+    from dstrain.data import check_source
+
+    def run_config(rows, **data):
+        return RunConfig.model_validate({"data": data_config(tmp_path, rows, **data).model_dump(),
+                                         "model": {"vocab_size": 320}})
+    qa = [{"prompt": f"Q{i}?\n", "response": "A."} for i in range(8)]
+    warnings = check_source(run_config(qa, format="prompt_response", tokenizer="byte", chat_template="absent.jinja"))
+    assert any("data.chat_template is ignored by format 'prompt_response'" in w for w in warnings)
+    chats = [{"messages": CONVERSATION}] * 8
+    warnings = check_source(run_config(chats, format="chat", tokenizer=tokenizer_dirs["chatml"], chat_template="llama3"))
+    assert any("<|start_header_id|>, <|end_header_id|>, <|eot_id|> are not a token" in w for w in warnings)
+    assert not any("not a token" in w for w in check_source(
+        run_config(chats, format="chat", tokenizer=tokenizer_dirs["chatml"], chat_template="chatml")))

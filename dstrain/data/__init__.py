@@ -85,12 +85,12 @@ def _check_rows(config: RunConfig, data: DataConfig) -> list[str]:
     if stats.get("dropped"):
         warnings.append(f"{stats['dropped']} examples have no response or assistant token left within data.seq_len "
                         "and are left out")
-    if data.chat_template is not None and data.format in ("text", "prompt_response"):
+    from dstrain.data.templates import check_markers, uses_template
+    if data.chat_template is not None and not uses_template(data):
         warnings.append(f"data.chat_template is ignored by format {data.format!r} (it renders chat, sharegpt and "
                         "alpaca rows)")
     elif data.chat_template is not None and data.tokenizer != "byte":
         from dstrain.data.sources import load_tokenizer
-        from dstrain.data.templates import check_markers
         warnings += check_markers(data.chat_template, load_tokenizer(data.tokenizer))
     _, note = packing(config)
     return warnings + ([note] if note else [])

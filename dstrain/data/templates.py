@@ -73,6 +73,11 @@ MARKERS = {"chatml": ("<|im_start|>", "<|im_end|>"), "qwen2": ("<|im_start|>", "
            "mistral": ("[INST]", "[/INST]"), "gemma": ("<start_of_turn>", "<end_of_turn>")}
 
 
+def uses_template(data) -> bool:
+    """Whether data.format renders conversations (and so reads data.chat_template)."""
+    return data.format in ("chat", "sharegpt") or (data.format == "alpaca" and data.chat_template is not None)
+
+
 def named_or_file(value: str) -> str:
     """The template `data.chat_template` names: a name of TEMPLATES, else a Jinja file's text."""
     if value in TEMPLATES:

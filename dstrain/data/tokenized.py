@@ -36,8 +36,8 @@ def cache_root(data: DataConfig) -> Path:
 
 
 def cache_key(data: DataConfig, encoder: Encoder) -> str:
-    from dstrain.data.templates import named_or_file
-    template = named_or_file(data.chat_template).encode() if data.chat_template and data.format != "text" else b""
+    from dstrain.data.templates import named_or_file, uses_template
+    template = named_or_file(data.chat_template).encode() if data.chat_template and uses_template(data) else b""
     facts = {"version": CACHE_VERSION, "source": data.source, "format": data.format,
              "fields": data.fields.model_dump(), "split": data.split, "seq_len": data.seq_len,
              "files": records.fingerprint(data), "tokenizer": encoder.fingerprint(),
@@ -66,8 +66,8 @@ def encode_rows(data: DataConfig, encoder: Encoder) -> Encoded:
 def load_encoded(data: DataConfig) -> Encoded:
     """The encoded rows: from the cache when an entry for exactly this data exists, else encoded and cached."""
     encoder = load_encoder(data)
-    if data.format in ("chat", "sharegpt") or (data.format == "alpaca" and data.chat_template):
-        # before hashing: a missing template is the user's error, not a cache miss
+    from dstrain.data.templates import uses_template
+    if uses_template(data):  # before hashing: a missing template is the user's error, not a cache miss
         from dstrain.data.chat import chat_template
         chat_template(data, encoder, data.format)
     entry = cache_root(data) / cache_key(data, encoder)
