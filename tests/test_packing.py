@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dstrain.config.schema import RunConfig
-from dstrain.data import packing
+from dstrain.models.packing import decide_packing as packing
 from dstrain.data.binpack import pack_rows
 from dstrain.data.sampler import ExampleSampler, PackedExampleSampler, rank_batch
 from dstrain.errors import UserError
@@ -232,6 +232,7 @@ def test_a_packed_hf_run_on_two_ranks_trains_on_packed_rows_reports_real_tokens_
     assert steps[6]["loss"] < steps[1]["loss"]
 
     config, _, _ = rundir.read(run_dir)
+    assert config.data.packing is True  # "auto" decided before the ranks started, frozen for them
     train, held_out = build_samplers(config)
     evaluation = next(r for r in records if "eval_loss" in r)  # every held-out example once, over both ranks
     assert evaluation["eval_examples"] == 8 and evaluation["eval_samples"] == held_out.size

@@ -9,10 +9,10 @@ The batch contract (what forward(batch) receives, moved to the device):
   labels[:, t + 1] from position t, as Hugging Face causal LMs do with `labels=`. The loss is the
   mean over positions whose label is not -100. There is no attention_mask: "text" windows are full,
   and examples are right-padded, so under causal attention no real token sees a pad.
-  With data.packing on (see `packing`), a row holds several examples and the dict also has
-  "position_ids" [micro, seq_len], restarting at 0 where each example starts: the model must attend
-  within each example only. Each example's first label is -100, so no example is predicted from
-  the one before it; the loss of a row is then the loss of its examples taken one by one.
+  With data.packing on (dstrain.models.packing decides "auto"), a row holds several examples and
+  the dict also has "position_ids" [micro, seq_len], restarting at 0 where each example starts:
+  the model must attend within each example only. Each example's first label is -100, so no
+  example is predicted from the one before it; a row's loss is then its examples' losses summed.
 - An entry-point Dataset: whatever default_collate makes of its items.
 The built-in GPT accepts both of the first two.
 """
@@ -92,47 +92,7 @@ def _check_rows(config: RunConfig, data: DataConfig) -> list[str]:
     elif data.chat_template is not None and data.tokenizer != "byte":
         from dstrain.data.sources import load_tokenizer
         warnings += check_markers(data.chat_template, load_tokenizer(data.tokenizer))
-    _, note = packing(config)
-    return warnings + ([note] if note else [])
-
-
-def packing(config: RunConfig) -> tuple[bool, str | None]:
-    """Whether examples are packed several to a row (data.packing), and the note that says why not
-    when "auto" falls back to padding. data.packing true on a model that cannot keep examples apart
-    is an error naming the reason. Token streams ("text" format, token sources) are always packed
-    windows: the key does not apply to them."""
-    from dstrain.data.records import ROW_SOURCES
-    data = config.data
-    if data.packing is False or data.format == "text" or data.source not in ROW_SOURCES:
-        return False, None
-    problem = model_packing_problem(config)
-    if problem is None:
-        return True, None
-    if data.packing is True and not _is_entry_point_model(config):
-        raise UserError.single(f"data.packing is true, but model {config.model.name!r} cannot keep packed examples "
-                               f"apart: {problem}", "data.packing",
-                               "set data.packing: auto (or false) to train with one padded example per row")
-    if data.packing is True:  # a user's model: its forward must honour position_ids (docs/data.md)
-        return True, None
-    return False, f"data.packing auto: one padded example per row, since {problem}"
-
-
-def _is_entry_point_model(config: RunConfig) -> bool:
-    return config.model.name != "gpt" and not config.model.name.startswith(HF_PREFIX)
-
-
-def model_packing_problem(config: RunConfig) -> str | None:
-    """Why the configured model cannot keep packed examples apart, or None (dstrain.models.packing)."""
-    name = config.model.name
-    if name == "gpt":
-        return None
-    if not name.startswith(HF_PREFIX):
-        return (f"model {name!r} is an entry point, whose forward dstrain cannot check for position_ids "
-                "(set data.packing: true once it keeps examples apart by them)")
-    from dstrain.models.hf import load_config
-    from dstrain.models.packing import hf_packing_problem
-    problem = hf_packing_problem(load_config(config), config.model.kwargs.get("attn_implementation"))
-    return None if problem is None else f"model {name!r}: {problem}"
+    return warnings
 
 
 def split_encoded(encoded, data: DataConfig):
@@ -184,7 +144,9 @@ def build_samplers(config: RunConfig):
         return (S.DatasetSampler(tud.Subset(dataset, range(cut)), seed),
                 S.DatasetSampler(tud.Subset(dataset, range(cut, len(dataset))), seed + 1))
     if data.source in ROW_SOURCES:
-        return _row_samplers(data_config(config), seed, packing(config)[0])
+        # dstrain run resolves "auto" to true or false before the ranks start (dstrain.models.packing);
+        # "auto" still here (a config frozen before packing existed) pads, as such runs did.
+        return _row_samplers(data_config(config), seed, data.packing is True)
     train, held_out = split(load_tokens(data_config(config)), data.eval_fraction, data.seq_len)
     # Only the built-in GPT reads model.vocab_size; a user model sizes its own embedding.
     vocab = config.model.vocab_size if config.model.name == "gpt" else None

@@ -1,4 +1,6 @@
-"""Which models keep packed examples apart (data.packing), decided before any rank starts.
+"""Which models keep packed examples apart, and so whether data.packing is on: `decide_packing`,
+called by `dstrain run` before any rank starts (its answer is written into the run's frozen config,
+which the ranks obey) and by `dstrain data preview`.
 
 A packed row holds several examples, each with position ids restarting at 0 and no attention
 across them. The built-in GPT builds that mask itself (dstrain.models.gpt.document_mask). An "hf:"
@@ -17,6 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 import re
+
+from dstrain.config.schema import RunConfig
+from dstrain.errors import UserError
 
 # attn_implementation values whose masks transformers builds from the position ids of packed rows
 PACKING_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -56,3 +61,43 @@ def hf_packing_problem(hf_config, attn_implementation: str | None) -> str | None
         return (f"transformers' {model_type} code does not build its attention mask from position ids, so "
                 "packed examples would attend to each other")
     return None
+
+
+def decide_packing(config: RunConfig) -> tuple[bool, str | None]:
+    """Whether examples are packed several to a row, and the note that says why not when "auto" falls
+    back to padding. data.packing true on a model that cannot keep examples apart is an error naming
+    the reason. Token streams ("text" format, token sources) are windows of a stream: never packed
+    examples."""
+    from dstrain.data.records import ROW_SOURCES
+    data = config.data
+    if data.packing is False or data.format == "text" or data.source not in ROW_SOURCES:
+        return False, None
+    problem = model_packing_problem(config)
+    if problem is None:
+        return True, None
+    if data.packing is True and _is_hf_or_builtin(config):
+        raise UserError.single(f"data.packing is true, but model {config.model.name!r} cannot keep packed examples "
+                               f"apart: {problem}", "data.packing",
+                               "set data.packing: auto (or false) to train with one padded example per row")
+    if data.packing is True:  # a user's model: its forward must honour position_ids (docs/data.md)
+        return True, None
+    return False, f"data.packing auto: one padded example per row, since {problem}"
+
+
+def _is_hf_or_builtin(config: RunConfig) -> bool:
+    from dstrain.data import HF_PREFIX
+    return config.model.name == "gpt" or config.model.name.startswith(HF_PREFIX)
+
+
+def model_packing_problem(config: RunConfig) -> str | None:
+    """Why the configured model cannot keep packed examples apart, or None."""
+    from dstrain.data import HF_PREFIX
+    name = config.model.name
+    if name == "gpt":
+        return None  # dstrain.models.gpt.document_mask
+    if not name.startswith(HF_PREFIX):
+        return (f"model {name!r} is an entry point, whose forward dstrain cannot check for position_ids "
+                "(set data.packing: true once it keeps examples apart by them)")
+    from dstrain.models.hf import load_config
+    problem = hf_packing_problem(load_config(config), config.model.kwargs.get("attn_implementation"))
+    return None if problem is None else f"model {name!r}: {problem}"

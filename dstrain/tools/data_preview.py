@@ -22,11 +22,12 @@ PERCENTILES = (50, 90, 99)
 
 def preview(config: RunConfig, count: int, warnings: list[str], console: Console | None = None) -> None:
     """Print the preview of config's data; `count` examples rendered."""
-    from dstrain.data import check_source, data_config, packing, split_encoded
+    from dstrain.data import check_source, data_config, split_encoded
     from dstrain.data.formats import load_encoder
     from dstrain.data.binpack import efficiency, pack_rows
     from dstrain.data.records import ROW_SOURCES
     from dstrain.data.tokenized import load_encoded
+    from dstrain.models.packing import decide_packing
 
     console = console or Console(highlight=False)
     data = data_config(config)
@@ -55,7 +56,7 @@ def preview(config: RunConfig, count: int, warnings: list[str], console: Console
     marks = "  ".join(f"p{p} {np.percentile(lengths, p):,.0f}" for p in PERCENTILES)
     console.print(f"  tokens/example   min {lengths.min():,}  {marks}  max {lengths.max():,}  mean {lengths.mean():,.1f}")
 
-    packed, note = packing(config)
+    packed, note = decide_packing(config)
     items, row_offsets = pack_rows(train_lengths, seq, config.train.seed)
     rows = len(row_offsets) - 1
     padded = f"{len(train_lengths):,} rows one example each: {efficiency(train_lengths, len(train_lengths), seq):.1%}"
