@@ -125,7 +125,7 @@ def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
     return train_rank(run_dir, config, ds_config, launch, stop)
 
 
-def data_facts(sampler, seq_len: int) -> dict:
+def data_facts(sampler) -> dict:
     """For examples (row formats): how many, in how many rows, and the packing efficiency."""
     efficiency = getattr(sampler, "efficiency", None)
     if efficiency is None:
@@ -172,7 +172,7 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
     metrics = MetricsLog(run_dir, rank == 0, config.train.max_steps, tokens_per_step, flops, world, device, trackers)
     if rank == 0:  # the full plan was printed by `dstrain run` before the ranks started
         metrics.console.print(f"rank 0: {world} ranks up, model {n_params:,} parameters", soft_wrap=True)
-        facts = data_facts(train_sampler, config.data.seq_len)
+        facts = data_facts(train_sampler)
         if facts:
             metrics.run_facts.update(facts)
             metrics.console.print(f"data: {facts['train_examples']:,} examples in {facts['train_rows']:,} rows of "
