@@ -362,6 +362,36 @@ def checkpoint_verify_cmd(
     raise typer.Exit(verify_checkpoints(target, hashes))
 
 
+data_app = typer.Typer(help="Look at the training data: `dstrain data preview --config run.yaml`.", no_args_is_help=True,
+                       add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("preview")
+@handles_user_errors
+def data_preview_cmd(
+    preset: Optional[str] = PresetOpt,
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[List[str]] = SetOpt,
+    examples: int = typer.Option(3, "--examples", "-n", min=0, help="Training examples to show, trained tokens marked."),
+    strict: bool = StrictOpt,
+) -> None:
+    """Tokenize the run's rows as `dstrain run` would (and cache them) and show the counts (kept, cut to
+    seq_len, left out and why, held out), the lengths, the packing efficiency, and the first examples
+    with the tokens the loss is taken on marked. Starts no ranks.
+
+    Examples:
+
+      dstrain data preview --config examples/data/config.yaml
+
+      dstrain data preview --config run.yaml --set data.format=alpaca --set data.chat_template=chatml -n 5
+    """
+    from dstrain.config.resolve import resolve
+    from dstrain.tools.data_preview import preview
+    resolved = resolve(preset, config, set_ or [], world_size=1, accelerator="cpu", strict=strict or None)
+    preview(resolved.config, examples, resolved.warnings)
+
+
 @app.command("report")
 @handles_user_errors
 def report_cmd(

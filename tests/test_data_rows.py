@@ -55,8 +55,9 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def config(tmp_path: Path, paths, **data) -> RunConfig:
+    # One example per row (no packing), so each row shows one example's tokens; tests/test_packing.py packs.
     data = {"source": "jsonl", "paths": [str(p) for p in paths], "seq_len": 48, "eval_fraction": 0.25,
-            "cache_dir": str(tmp_path / "cache"), **data}
+            "cache_dir": str(tmp_path / "cache"), "packing": False, **data}
     return RunConfig.model_validate({"data": data, "model": {"vocab_size": 320}})
 
 

@@ -46,6 +46,8 @@ def test_eval_of_the_latest_checkpoint_equals_the_train_loops_eval_at_that_step(
     assert saved["eval_loss"] == pytest.approx(train_eval_losses(trained)[4], rel=1e-6)
     assert saved["perplexity"] == pytest.approx(math.exp(saved["eval_loss"]))
     assert f"eval loss {saved['eval_loss']:.4f}" in result.stdout
+    # train.eval_batches=2 global batches of 4 x 2 ranks: 16 distinct held-out windows, said as covered
+    assert saved["eval_samples"] == 16 and saved["eval_examples"] == 16 and "over 16 held-out samples" in result.stdout
     assert run_files(trained) == before  # the run's own files are untouched: evaluation runs in eval/
 
 

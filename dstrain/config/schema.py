@@ -105,6 +105,24 @@ class DataFields(Section):
     """The response, for format "prompt_response" (the loss is on it and on the end-of-text after it)."""
     messages: str = "messages"
     """The conversation, for format "chat": a list of {"role": ..., "content": ...} messages."""
+    instruction: str = "instruction"
+    """The instruction, for format "alpaca" (no loss on it)."""
+    input: str = "input"
+    """The optional input (context) of format "alpaca"; a row without it, or with it empty, has none."""
+    output: str = "output"
+    """The answer, for format "alpaca" (the loss is on it and on the end-of-text after it)."""
+    conversations: str = "conversations"
+    """The conversation, for format "sharegpt": a list of {"from": ..., "value": ...} turns."""
+    role: str = "from"
+    """The key of a turn's speaker, for format "sharegpt"."""
+    content: str = "value"
+    """The key of a turn's text, for format "sharegpt"."""
+    roles: dict[str, str] = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                             "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+                             "system": "system", "tool": "tool", "function_call": "assistant",
+                             "observation": "tool"}
+    """Speaker names of format "sharegpt" -> chat roles (user, assistant, system, tool); a turn whose
+    speaker is not listed is an error naming it. Setting this replaces the whole mapping."""
 
 
 class DataConfig(Section):
@@ -123,14 +141,24 @@ class DataConfig(Section):
     tokenizer: str | None = None
     """"byte" (one token per UTF-8 byte, vocab 256) or a Hugging Face tokenizer name or directory; unset:
     the model's own tokenizer for "hf:" models, else "byte"."""
-    format: Literal["text", "prompt_response", "chat"] = "text"
+    format: Literal["text", "prompt_response", "chat", "alpaca", "sharegpt"] = "text"
     """How rows of the jsonl/json/parquet/datasets sources become tokens: "text" (documents packed into
-    seq_len windows, end-of-text between them), "prompt_response" (loss on the response only) or "chat"
-    (messages rendered by the chat template, loss on assistant turns only); see docs/data.md."""
+    seq_len windows, end-of-text between them), "prompt_response" (loss on the response only), "chat"
+    (OpenAI-style messages rendered by the chat template, loss on assistant turns only), "alpaca"
+    (instruction/input/output; loss on the output) or "sharegpt" (conversations of {from, value}
+    turns, read as chat); see docs/data.md."""
+    packing: bool | Literal["auto"] = "auto"
+    """Several whole examples per seq_len row (formats other than "text"), each with its own position
+    ids and no attention across examples, instead of one example padded to seq_len. "auto": on where
+    the model keeps packed examples apart (the built-in GPT; "hf:" models whose attention transformers
+    masks per example), else padding, with a note; true: on, or an error where the model cannot;
+    false: one padded example per row."""
     fields: DataFields = DataFields()
     """Names of the fields each row is read from (format "text": fields.text, ...)."""
     chat_template: str | None = None
-    """A Jinja chat template file that replaces the tokenizer's own, for format "chat"."""
+    """For formats "chat" and "sharegpt" (and "alpaca", which otherwise uses the Alpaca prompt): the name
+    of a template of dstrain/data/templates.py (e.g. chatml, llama3) or a Jinja template file, replacing
+    the tokenizer's own; unset: the tokenizer's own template."""
     split: str = "train"
     """The split to read from a "datasets" directory that holds several (a DatasetDict)."""
     cache_dir: str | None = None
@@ -140,6 +168,9 @@ class DataConfig(Section):
     """Fraction of the data held out for evaluation (taken from the end)."""
     kwargs: dict[str, Any] = {}
     """Keyword arguments passed to a data entry point."""
+
+
+STREAM_EVAL_BATCHES = 8  # train.eval_batches left unset, for a token-stream source
 
 
 class TrainConfig(Section):
@@ -204,8 +235,12 @@ class TrainConfig(Section):
     pip install 'dstrain[wandb]'), "csv" (RUN_DIR/metrics.csv). Several at once: [tensorboard, csv]."""
     eval_every: PositiveInt = 100
     """Evaluate on the held-out split every this many steps, and at the end."""
-    eval_batches: PositiveInt = 8
-    """Global batches of held-out samples in one evaluation (the same samples whatever the world size)."""
+    eval_batches: PositiveInt | None = None
+    """Global batches of held-out samples in one evaluation, each sample at most once (fewer when the
+    held-out split holds fewer). Unset: every held-out sample once for rows (jsonl, json, parquet,
+    datasets) and entry-point datasets; 8 global batches (STREAM_EVAL_BATCHES) for the token streams
+    (corpus, synthetic, text, tokens), whose held-out split may be large. The same samples whatever
+    the world size."""
     save_every: PositiveInt = 100
     """Save a checkpoint every this many steps, and at the end."""
     save_checkpoints: bool = True

@@ -9,6 +9,10 @@ The batch contract (what forward(batch) receives, moved to the device):
   labels[:, t + 1] from position t, as Hugging Face causal LMs do with `labels=`. The loss is the
   mean over positions whose label is not -100. There is no attention_mask: "text" windows are full,
   and examples are right-padded, so under causal attention no real token sees a pad.
+  With data.packing on (dstrain.models.packing decides "auto"), a row holds several examples and
+  the dict also has "position_ids" [micro, seq_len], restarting at 0 where each example starts:
+  the model must attend within each example only. Each example's first label is -100, so no
+  example is predicted from the one before it; a row's loss is then its examples' losses summed.
 - An entry-point Dataset: whatever default_collate makes of its items.
 The built-in GPT accepts both of the first two.
 """
@@ -81,6 +85,13 @@ def _check_rows(config: RunConfig, data: DataConfig) -> list[str]:
     if stats.get("dropped"):
         warnings.append(f"{stats['dropped']} examples have no response or assistant token left within data.seq_len "
                         "and are left out")
+    from dstrain.data.templates import check_markers, uses_template
+    if data.chat_template is not None and not uses_template(data):
+        warnings.append(f"data.chat_template is ignored by format {data.format!r} (it renders chat, sharegpt and "
+                        "alpaca rows)")
+    elif data.chat_template is not None and data.tokenizer != "byte":
+        from dstrain.data.sources import load_tokenizer
+        warnings += check_markers(data.chat_template, load_tokenizer(data.tokenizer))
     return warnings
 
 
@@ -133,7 +144,9 @@ def build_samplers(config: RunConfig):
         return (S.DatasetSampler(tud.Subset(dataset, range(cut)), seed),
                 S.DatasetSampler(tud.Subset(dataset, range(cut, len(dataset))), seed + 1))
     if data.source in ROW_SOURCES:
-        return _row_samplers(data_config(config), seed)
+        # dstrain run resolves "auto" to true or false before the ranks start (dstrain.models.packing);
+        # "auto" still here (a config frozen before packing existed) pads, as such runs did.
+        return _row_samplers(data_config(config), seed, data.packing is True)
     train, held_out = split(load_tokens(data_config(config)), data.eval_fraction, data.seq_len)
     # Only the built-in GPT reads model.vocab_size; a user model sizes its own embedding.
     vocab = config.model.vocab_size if config.model.name == "gpt" else None
@@ -141,12 +154,13 @@ def build_samplers(config: RunConfig):
             S.WindowSampler(held_out, data.seq_len, seed + 1, vocab))
 
 
-def _row_samplers(data: DataConfig, seed: int):
+def _row_samplers(data: DataConfig, seed: int, packed: bool):
     from dstrain.data import sampler as S
     from dstrain.data.tokenized import load_encoded
     encoded = load_encoded(data)
     train, held_out = split_encoded(encoded, data)
     if encoded.tokens is not None:
         return S.PackedSampler(train, data.seq_len, seed), S.PackedSampler(held_out, data.seq_len, seed + 1)
-    return tuple(S.ExampleSampler(encoded.ids, encoded.labels, offsets, data.seq_len, encoded.pad_id, seed + i)
+    rows = S.PackedExampleSampler if packed else S.ExampleSampler
+    return tuple(rows(encoded.ids, encoded.labels, offsets, data.seq_len, encoded.pad_id, seed + i)
                  for i, offsets in enumerate((train, held_out)))

@@ -1,5 +1,6 @@
-"""Format "chat": a `messages` list rendered by the tokenizer's chat template, the loss on assistant
-turns only.
+"""Format "chat": a `messages` list rendered by the chat template (data.chat_template, a name of
+dstrain/data/templates.py or a file, else the tokenizer's own), the loss on assistant turns only.
+Formats "sharegpt" and "alpaca" (with a template) come here as messages too (dstrain/data/layouts.py).
 
 Which tokens belong to assistant turns is found in one of two ways:
 - The template marks them itself with `{% generation %}` blocks: transformers' own assistant mask
@@ -18,33 +19,31 @@ import re
 from pathlib import Path
 
 from dstrain.config.schema import DataConfig
-from dstrain.data.formats import IGNORE, Encoded, Encoder, field_values, pack_examples
+from dstrain.data.formats import IGNORE, Encoded, Encoder, field_values, store_examples
 from dstrain.errors import UserError
 
 ASSISTANT = "assistant"
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def chat_template(data: DataConfig, encoder: Encoder) -> str:
-    """data.chat_template's file, else the tokenizer's own template; an error when there is none."""
+def chat_template(data: DataConfig, encoder: Encoder, data_format: str = "chat") -> str:
+    """data.chat_template (a name of dstrain.data.templates, or a Jinja file), else the tokenizer's own
+    template; an error when there is none."""
+    from dstrain.data.templates import TEMPLATES, named_or_file
     if encoder.hf is None:
-        raise UserError.single("format 'chat' needs a Hugging Face tokenizer to render and tokenize messages, and "
-                               "data.tokenizer is byte", "data.tokenizer",
+        raise UserError.single(f"format {data_format!r} needs a Hugging Face tokenizer to render and tokenize "
+                               "messages, and data.tokenizer is byte", "data.tokenizer",
                                "set data.tokenizer to a tokenizer name or directory (an hf: model's is the default)")
     if data.chat_template is not None:
-        path = Path(data.chat_template)
-        if not path.is_file():
-            raise UserError.single(f"no chat template file {str(path)!r}", "data.chat_template",
-                                   "name a Jinja file, e.g. one copied from a model's tokenizer_config.json")
-        return path.read_text(encoding="utf-8")
+        return named_or_file(data.chat_template)
     template = encoder.hf.chat_template
     if isinstance(template, dict):  # several named templates: the one apply_chat_template uses by default
         template = template.get("default")
     if not template:
-        raise UserError.single(f"tokenizer {encoder.name!r} has no chat template, which format 'chat' renders "
-                               "messages with", "data.tokenizer / data.chat_template",
-                               "use a tokenizer whose tokenizer_config.json has a chat_template, or set "
-                               "data.chat_template to a Jinja template file")
+        raise UserError.single(f"tokenizer {encoder.name!r} has no chat template, which format {data_format!r} "
+                               "renders messages with", "data.tokenizer / data.chat_template",
+                               f"set data.chat_template to one of {', '.join(TEMPLATES)} (the format your model "
+                               "was or will be trained in), or to a Jinja template file")
     return template
 
 
@@ -61,38 +60,45 @@ def check_messages(where: str, messages: list, key: str) -> None:
 
 
 def encode_chat(rows: list[tuple[str, dict]], data: DataConfig, encoder: Encoder) -> Encoded:
-    template = chat_template(data, encoder)
     key = "data.fields.messages"
     conversations = field_values(rows, data.fields.messages, key, list, "list of messages")
+    return encode_conversations("chat", [where for where, _ in rows], conversations, data, encoder, key)
+
+
+def encode_conversations(data_format: str, wheres: list[str], conversations: list[list], data: DataConfig,
+                         encoder: Encoder, key: str) -> Encoded:
+    """Conversations ({role, content} messages; `wheres`: the row each came from, `key`: the config key
+    that names its field, for messages) rendered and labelled as format "chat" does."""
+    template = chat_template(data, encoder, data_format)
     marked = GENERATION_BLOCK.search(template) is not None
     examples = []
-    for (where, _), messages in zip(rows, conversations):
+    for where, messages in zip(wheres, conversations):
         check_messages(where, messages, key)
-        render = _renderer(encoder.hf, template, where)
-        examples.append(_by_generation_mask(encoder.hf, messages, template, where) if marked
+        render = _renderer(encoder.hf, template, where, key)
+        examples.append(_by_generation_mask(encoder.hf, messages, template, where, key) if marked
                         else _by_prefixes(encoder.hf, messages, render, where))
-    return pack_examples("chat", examples, data.seq_len, encoder.pad_id)
+    return store_examples(data_format, examples, data.seq_len, encoder.pad_id)
 
 
-def _renderer(tokenizer, template: str, where: str):
+def _renderer(tokenizer, template: str, where: str, key: str):
     def render(messages: list, add_generation_prompt: bool) -> str:
         try:
             return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
         except Exception as err:  # noqa: BLE001 - the template rejects this conversation
             raise UserError.single(f"the chat template cannot render this conversation: {type(err).__name__}: {err}",
-                                   f"{where} (data.fields.messages)",
+                                   f"{where} ({key})",
                                    "fix the row (e.g. roles in the order the template expects)") from None
     return render
 
 
-def _by_generation_mask(tokenizer, messages: list, template: str, where: str) -> tuple[list[int], list[int]]:
+def _by_generation_mask(tokenizer, messages: list, template: str, where: str, key: str) -> tuple[list[int], list[int]]:
     try:
         out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
     except Exception as err:  # noqa: BLE001 - the template rejects this conversation
         raise UserError.single(f"the chat template cannot render this conversation: {type(err).__name__}: {err}",
-                               f"{where} (data.fields.messages)", "fix the row") from None
+                               f"{where} ({key})", "fix the row (e.g. roles in the order the template expects)") from None
     ids = list(out["input_ids"])
     return ids, [token if mask else IGNORE for token, mask in zip(ids, out["assistant_masks"])]
 

@@ -10,9 +10,12 @@
 - "chat": one example per row, rendered by the chat template; labels only on assistant turns
   (dstrain/data/chat.py finds them).
 
-Examples are not packed: each is one row of the batch, cut to seq_len (`truncated`) and padded
-by the sampler. An example left with no label to predict after the cut is dropped (`dropped`):
-the model predicts labels[t + 1] from position t, so a label at position 0 alone teaches nothing.
+Examples are stored flat, each cut to seq_len (`truncated`); the sampler pads each to a row or
+packs several to a row (data.packing, dstrain/data/sampler.py). An example left with no label to
+predict after the cut is dropped (`dropped`): the model predicts labels[t + 1] from position t, so
+a label at position 0 alone teaches nothing.
+- "alpaca" and "sharegpt": common dataset layouts, turned into prompt/response pairs or
+  conversations by dstrain/data/layouts.py.
 """
 
 from __future__ import annotations
@@ -133,17 +136,23 @@ def encode_text(rows: list[tuple[str, dict]], data: DataConfig, encoder: Encoder
 
 def encode_prompt_response(rows: list[tuple[str, dict]], data: DataConfig, encoder: Encoder) -> Encoded:
     """Format "prompt_response": [prefix] prompt response [eos]; labels on response and eos only."""
-    eos = encoder.require_eos("prompt_response")
     prompts = field_values(rows, data.fields.prompt, "data.fields.prompt", str, "prompt")
     responses = field_values(rows, data.fields.response, "data.fields.response", str, "response")
+    return encode_pairs("prompt_response", prompts, responses, data, encoder)
+
+
+def encode_pairs(data_format: str, prompts: list[str], responses: list[str], data: DataConfig,
+                 encoder: Encoder) -> Encoded:
+    """[prefix] prompt response [eos] for each pair; labels on response and eos only."""
+    eos = encoder.require_eos(data_format)
     examples = []
     for prompt, response in zip(encoder.encode(prompts), encoder.encode(responses)):
         context = encoder.prefix + prompt
         examples.append((context + response + [eos], [IGNORE] * len(context) + response + [eos]))
-    return pack_examples("prompt_response", examples, data.seq_len, encoder.pad_id)
+    return store_examples(data_format, examples, data.seq_len, encoder.pad_id)
 
 
-def pack_examples(data_format: str, examples: list[tuple[list[int], list[int]]], seq_len: int,
+def store_examples(data_format: str, examples: list[tuple[list[int], list[int]]], seq_len: int,
                   pad_id: int) -> Encoded:
     """Examples cut to seq_len, those left with nothing to predict dropped, stored flat with offsets."""
     ids, labels, offsets = [], [], [0]

@@ -25,7 +25,7 @@ from dstrain.data import records
 from dstrain.data.formats import Encoded, Encoder, encode_prompt_response, encode_text, load_encoder
 from dstrain.errors import UserError
 
-CACHE_VERSION = 1  # raise when the encoding changes, so old entries are not read
+CACHE_VERSION = 2  # raise when the encoding changes, so old entries are not read
 ARRAYS = ("tokens", "ids", "labels", "offsets")
 
 
@@ -36,7 +36,8 @@ def cache_root(data: DataConfig) -> Path:
 
 
 def cache_key(data: DataConfig, encoder: Encoder) -> str:
-    template = Path(data.chat_template).read_bytes() if data.chat_template and data.format == "chat" else b""
+    from dstrain.data.templates import named_or_file, uses_template
+    template = named_or_file(data.chat_template).encode() if data.chat_template and uses_template(data) else b""
     facts = {"version": CACHE_VERSION, "source": data.source, "format": data.format,
              "fields": data.fields.model_dump(), "split": data.split, "seq_len": data.seq_len,
              "files": records.fingerprint(data), "tokenizer": encoder.fingerprint(),
@@ -53,6 +54,11 @@ def encode_rows(data: DataConfig, encoder: Encoder) -> Encoded:
         return encode_text(rows, data, encoder)
     if data.format == "prompt_response":
         return encode_prompt_response(rows, data, encoder)
+    from dstrain.data import layouts
+    if data.format == "alpaca":
+        return layouts.encode_alpaca(rows, data, encoder)
+    if data.format == "sharegpt":
+        return layouts.encode_sharegpt(rows, data, encoder)
     from dstrain.data.chat import encode_chat
     return encode_chat(rows, data, encoder)
 
@@ -60,9 +66,10 @@ def encode_rows(data: DataConfig, encoder: Encoder) -> Encoded:
 def load_encoded(data: DataConfig) -> Encoded:
     """The encoded rows: from the cache when an entry for exactly this data exists, else encoded and cached."""
     encoder = load_encoder(data)
-    if data.format == "chat":  # before hashing: a missing template file is the user's error, not a cache miss
+    from dstrain.data.templates import uses_template
+    if uses_template(data):  # before hashing: a missing template is the user's error, not a cache miss
         from dstrain.data.chat import chat_template
-        chat_template(data, encoder)
+        chat_template(data, encoder, data.format)
     entry = cache_root(data) / cache_key(data, encoder)
     if (entry / "meta.json").is_file():
         return _read(entry)

@@ -5,9 +5,10 @@ supervision), but in a directory of their own, RUN_DIR/eval/: evaluating never r
 files or touches its rank records or its lock, so it can run while training goes on (eval/ has a lock
 of its own: one evaluation at a time). The worker sees
 `"mode": "eval"` in that directory's launch.json and calls `dstrain.rank.evaluation.rank_eval`, which loads the
-checkpoint and runs `evaluate` over the configured eval set (train.eval_batches global batches
-of held-out samples: the very samples the train loop evaluates on, so the number equals the
-eval_loss in metrics.jsonl at that step). Rank 0 prints the result and writes RUN_DIR/eval.json.
+checkpoint and runs `evaluate` over the configured eval set (each held-out sample once: the whole
+held-out split, or train.eval_batches global batches of it; the very samples the train loop
+evaluates on, so the number equals the eval_loss in metrics.jsonl at that step). Rank 0 prints the
+result, with how many samples and examples it covered, and writes RUN_DIR/eval.json.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def _launch_eval(run_dir: Path, eval_dir: Path, found: CompleteCheckpoint, saved
     _write_eval_dir(run_dir, eval_dir, found, saved, acc, verbose)
     train = yaml.safe_load((run_dir / CONFIG).read_text())["train"]
     console.print(f"evaluating {found.tag} (step {found.step}) of {run_dir}: preset {saved.get('preset') or '(none)'}, "
-                  f"{world} ranks on {acc}, {train['eval_batches']} x {train['global_batch_size']} held-out samples",
+                  f"{world} ranks on {acc}, " + (f"up to {train['eval_batches']} x {train['global_batch_size']} held-out "
+                                                  "samples" if train.get("eval_batches") else "the held-out split") +
+                  ", each once",
                   soft_wrap=True)
     options = LaunchOptions(gpus=world, nodes=1, accelerator=acc, verbose=verbose)
     command = runner_command(options, world, 1, eval_dir, free_port())

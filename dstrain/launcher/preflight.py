@@ -143,8 +143,18 @@ def check_trackers(resolved: ResolvedConfig) -> None:
 
 
 def _check_data(resolved: ResolvedConfig) -> None:
+    """The data checks, and data.packing decided for this model ("auto" becomes true or false in the
+    config the ranks get, so they do not decide again)."""
     from dstrain.data import check_source
+    from dstrain.models.packing import decide_packing
     resolved.warnings += check_source(resolved.config)
+    packed, note = decide_packing(resolved.config)
+    if note:
+        resolved.warnings.append(note)
+    data = resolved.config.data
+    if data.packing != packed:
+        resolved.config = resolved.config.model_copy(update={"data": data.model_copy(update={"packing": packed})})
+        resolved.sources["data.packing"] = f"{data.packing}, decided for this model and data"
 
 
 def clear_stale_build_locks(console: Console, dry_run: bool) -> None:

@@ -2,7 +2,10 @@
 
 forward(batch) takes (inputs, targets) token tensors, or {"input_ids", "labels"} with labels aligned
 to the inputs and -100 where no loss is taken (see dstrain.data), and returns the mean cross-entropy
-loss, which is the model protocol every dstrain model follows. Blocks can be recomputed in backward
+loss, which is the model protocol every dstrain model follows. A dict batch with "position_ids"
+holds packed examples: positions restart at 0 where an example starts, and attention is then
+causal within each example only (SDPA with a block-diagonal mask; without position_ids the causal
+kernel runs as before). Blocks can be recomputed in backward
 through DeepSpeed's activation checkpointing (set by the train loop, see `enable_checkpointing`).
 """
 
@@ -24,12 +27,12 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model, bias=False)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         # (batch, heads, seq, head_dim) for SDPA, which picks flash/memory-efficient kernels when it can
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
@@ -44,8 +47,8 @@ class Block(nn.Module):
                                  nn.Linear(4 * d_model, d_model, bias=False))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), mask))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -83,12 +86,24 @@ class GPT(nn.Module):
             targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)  # position t predicts label t + 1
         else:
             inputs, targets = batch
-        positions = torch.arange(inputs.shape[1], device=inputs.device)
+        packed = isinstance(batch, dict) and "position_ids" in batch
+        positions = batch["position_ids"] if packed else torch.arange(inputs.shape[1], device=inputs.device)
         x = self.drop(self.tok_emb(inputs) + self.pos_emb(positions))
+        args = (document_mask(positions),) if packed else ()
         for block in self.blocks:
-            x = self.checkpoint_fn(block, x) if self.checkpoint_fn and self.training else block(x)
+            x = self.checkpoint_fn(block, x, *args) if self.checkpoint_fn and self.training else block(x, *args)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq] boolean attention mask (True: may attend) of packed examples: causal, and
+    only within the example, which starts wherever the position ids do not step by one."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    document = (step != 1).cumsum(-1)
+    seq = position_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
 
 
 def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> float:

@@ -64,7 +64,8 @@ class CausalLM(nn.Module):
 
     A batch is (inputs, targets) with targets already shifted by one (dstrain's samplers) and -100
     where no loss is taken, or a dict of the model's own keyword arguments (input_ids, attention_mask,
-    labels in Hugging Face's unshifted convention), whose `loss` is returned.
+    labels in Hugging Face's unshifted convention; position_ids for packed examples, see
+    dstrain.models.packing), whose `loss` is returned.
     """
 
     def __init__(self, model: nn.Module):
@@ -73,7 +74,13 @@ class CausalLM(nn.Module):
 
     def forward(self, batch) -> torch.Tensor:
         if isinstance(batch, dict):
-            return self.model(**batch).loss
+            attention = getattr(self.model.config, "_attn_implementation", None) or ""
+            if "position_ids" in batch and attention.startswith("flash"):
+                # transformers' flash path finds packed examples in the position ids only for a
+                # batch of one row; every row starts an example (label -100), so rows join end to end.
+                batch = {key: value.reshape(1, -1) for key, value in batch.items()}
+            # No cache: transformers looks for packed examples in the position ids only without one.
+            return self.model(**batch, use_cache=False).loss
         inputs, targets = batch
         logits = self.model(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)

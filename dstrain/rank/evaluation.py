@@ -9,37 +9,94 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dstrain.config.schema import RunConfig
+from dstrain.config.schema import STREAM_EVAL_BATCHES, RunConfig
 from dstrain.data.sampler import to_device
 from dstrain.rank import heartbeat
 from dstrain.rundir import write_atomic
 
 
-def evaluate(engine, config: RunConfig, eval_sampler, device) -> float:
-    """Mean held-out loss over the first eval_batches x global_batch_size held-out samples.
+@dataclass
+class EvalResult:
+    loss: float
+    samples: int  # held-out samples (rows) evaluated, each once
+    examples: int  # examples in them (packed rows hold several)
+    of_samples: int | None  # samples in the whole held-out split (None: endless, synthetic)
 
-    The sample set depends on the global batch, not on the world size, so a run resumed with
-    another number of ranks (same global batch) evaluates the same samples; each rank takes a
-    contiguous share in micro batches."""
+
+def eval_samples(config: RunConfig, sampler) -> int:
+    """How many held-out samples one evaluation covers, each once: train.eval_batches global batches,
+    at most the split; unset, the whole split of rows and datasets, STREAM_EVAL_BATCHES global batches
+    of a token stream."""
+    from dstrain.data import TOKEN_SOURCES
+    t = config.train
+    if t.eval_batches is not None:
+        wanted = t.eval_batches * t.global_batch_size
+    elif config.data.source in TOKEN_SOURCES:
+        wanted = STREAM_EVAL_BATCHES * t.global_batch_size
+    else:
+        return sampler.size
+    return wanted if sampler.size is None else min(wanted, sampler.size)
+
+
+def evaluate(engine, config: RunConfig, eval_sampler, device) -> EvalResult:
+    """The held-out loss over the first `eval_samples` held-out samples, each once, weighted by the
+    tokens that take a loss (so it is the mean over every held-out token, however the samples fall
+    into batches and ranks).
+
+    The sample set depends on the config, not on the world size. Each rank takes a contiguous share
+    in micro batches; every rank runs the same number of forward passes (ZeRO-3 gathers parameters in
+    each), a share that runs out being topped up with rows whose labels are all masked."""
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = config.train.micro_batch_size
-    per_rank = config.train.eval_batches * config.train.global_batch_size // world
-    batches = per_rank // micro
+    total = eval_samples(config, eval_sampler)
+    per_rank = -(-total // world)
+    first, last = min(rank * per_rank, total), min((rank + 1) * per_rank, total)
     engine.eval()
-    total = torch.zeros((), device=device)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    weight = 0
     with torch.no_grad(), _evaluation_forward(engine) as forward:
-        for i in range(batches):
+        for start in range(first, first + per_rank, micro):
             heartbeat.beat("eval")
-            batch = eval_sampler.batch(rank * per_rank + i * micro, micro)
-            total += forward(to_device(batch, device)).float()
+            real = max(0, min(micro, last - start))
+            batch, tokens = _eval_batch(eval_sampler, start if real else 0, micro, real)
+            loss = forward(to_device(batch, device))
+            if tokens:  # a batch with no loss token returns nan (0 / 0): it adds nothing
+                loss_sum += loss.double() * tokens
+                weight += tokens
     engine.train()
-    dist.all_reduce(total)
-    return total.item() / (batches * world)
+    counts = torch.tensor([weight, eval_sampler.examples(first, last - first)], device=device, dtype=torch.float64)
+    dist.all_reduce(loss_sum)
+    dist.all_reduce(counts)
+    return EvalResult(loss_sum.item() / max(counts[0].item(), 1), total, int(counts[1].item()), eval_sampler.size)
+
+
+def _eval_batch(sampler, first: int, micro: int, real: int):
+    """(micro samples from `first` of which only the first `real` take a loss, the tokens that do).
+    Labelled batches keep their shape (the rest masked); a user's Dataset items get a shorter batch,
+    weighted by their number."""
+    if real == 0 and not _masks_rows(sampler):
+        return sampler.batch(first, 1), 0
+    batch = sampler.batch(first, micro if _masks_rows(sampler) else real)
+    if isinstance(batch, dict):
+        batch["labels"][real:] = -100
+        return batch, int((batch["labels"][:, 1:] != -100).sum())
+    if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+        inputs, targets = batch
+        targets = targets.clone()
+        targets[real:] = -100
+        return (inputs, targets), int((targets != -100).sum())
+    return batch, real
+
+
+def _masks_rows(sampler) -> bool:
+    """Whether the sampler's batches carry labels dstrain can mask row by row (all but a user's Dataset)."""
+    return sampler.real_tokens(0, 1) is not None
 
 
 @contextlib.contextmanager
@@ -57,6 +114,20 @@ def _evaluation_forward(engine):
     import deepspeed
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         yield engine.module.forward  # the module's forward, not its compiled call
+
+
+def coverage(result: EvalResult) -> dict:
+    """What an evaluation covered, for metrics.jsonl and eval.json."""
+    return {"eval_samples": result.samples, "eval_examples": result.examples, "eval_split_samples": result.of_samples}
+
+
+def describe(result: EvalResult) -> str:
+    """'30 held-out examples in 12 rows (the whole held-out split)', say."""
+    whole = " (the whole held-out split)" if result.samples == result.of_samples else (
+        f" of {result.of_samples:,}" if result.of_samples else "")
+    if result.examples != result.samples:
+        return f"{result.examples:,} held-out examples in {result.samples:,} rows{whole}"
+    return f"{result.samples:,} held-out samples{whole}"
 
 
 def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
@@ -84,17 +155,16 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint['tag']} from {checkpoint['directory']}")
 
-    loss = evaluate(engine, config, eval_sampler, device)
+    result = evaluate(engine, config, eval_sampler, device)
+    loss = result.loss
     if rank == 0:
-        t = config.train
-        samples = (t.eval_batches * t.global_batch_size // world // t.micro_batch_size) * t.micro_batch_size * world
-        result = {"step": checkpoint["step"], "tag": checkpoint["tag"], "eval_loss": loss,
+        record = {"step": checkpoint["step"], "tag": checkpoint["tag"], "eval_loss": loss,
                   "perplexity": math.exp(loss) if loss < 700 else None,  # exp overflows: JSON has no inf
-                  "eval_batches": t.eval_batches, "samples": samples,  # as loop.evaluate counts them
+                  "eval_batches": config.train.eval_batches, **coverage(result),  # as the train loop counts them
                   "world_size": world, "checkpoint": str(Path(checkpoint["directory"]) / checkpoint["tag"])}
-        write_atomic(Path(launch["output"]), json.dumps(result, indent=2) + "\n")
-        perplexity = f"{result['perplexity']:.3f}" if result["perplexity"] is not None else "overflow"
+        write_atomic(Path(launch["output"]), json.dumps(record, indent=2) + "\n")
+        perplexity = f"{record['perplexity']:.3f}" if record["perplexity"] is not None else "overflow"
         print(f"step {checkpoint['step']} ({checkpoint['tag']}): eval loss {loss:.4f}, perplexity {perplexity} "
-              f"over {result['samples']} held-out samples; written to {launch['output']}", flush=True)
+              f"over {describe(result)}; written to {launch['output']}", flush=True)
     dist.barrier()
     return 0

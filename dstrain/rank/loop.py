@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dstrain.rank import checkpointing, heartbeat
 from dstrain.rank.cadence import EarlyStop, SaveClock
 from dstrain.rank.health import Guard, HealthState, RunUnhealthy
-from dstrain.rank.evaluation import evaluate
+from dstrain.rank.evaluation import coverage, describe, evaluate
 from dstrain.config.schema import RunConfig
 from dstrain.data.sampler import rank_batch, to_device
 from dstrain.rank.metrics import MetricsLog, engine_stats
@@ -95,12 +95,16 @@ def train(engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler,
     loss_sum = torch.zeros((), device=device)
     interval_start, interval_steps = time.perf_counter(), 0
     data_s = 0.0  # host time building batches in this log interval (no device wait: no sync)
+    real_tokens: int | None = 0  # non-pad tokens trained on in this log interval (rank 0; None: unknown)
     metrics.start(start_step)
 
     while state.step < t.max_steps:
         lr = engine.optimizer.param_groups[0]["lr"]  # get_lr() warns before the first step
-        step_loss, fetch_s = _optimizer_step(engine, t, train_sampler, guard.data_step(state.step), state.step,
-                                             rank, world, device)
+        data_step = guard.data_step(state.step)
+        step_loss, fetch_s = _optimizer_step(engine, t, train_sampler, data_step, state.step, rank, world, device)
+        if rank == 0:  # a pure function of the sample indices: no collective needed
+            real_tokens = _add(real_tokens, train_sampler.real_tokens(data_step * t.global_batch_size,
+                                                                      t.global_batch_size))
         data_s += fetch_s
         loss_sum += step_loss
         state.step += 1
@@ -129,7 +133,7 @@ def train(engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler,
                 raise
             metrics.rewind(state.step)  # trackers hide the steps trained again
             loss_sum.zero_()
-            interval_start, interval_steps, data_s = time.perf_counter(), 0, 0.0
+            interval_start, interval_steps, data_s, real_tokens = time.perf_counter(), 0, 0.0, 0
             if state.stopped_by is not None:  # the checkpoint rolled back to is the one to resume from
                 break
             continue
@@ -137,12 +141,14 @@ def train(engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler,
             dist.all_reduce(loss_sum)  # mean over ranks: every rank logs the same number
             loss_value = loss_sum.item() / (world * t.grad_accum_steps * interval_steps)
             elapsed = time.perf_counter() - interval_start
-            metrics.log_step(state.step, loss_value, lr, elapsed, interval_steps, data_s, engine_stats(engine))
+            metrics.log_step(state.step, loss_value, lr, elapsed, interval_steps, data_s, engine_stats(engine),
+                             real_tokens)
             loss_sum.zero_()
-            interval_start, interval_steps, data_s = time.perf_counter(), 0, 0.0
+            interval_start, interval_steps, data_s, real_tokens = time.perf_counter(), 0, 0.0, 0
         if evals:
-            eval_loss = evaluate(engine, config, eval_sampler, device)
-            metrics.log_eval(state.step, eval_loss)
+            result = evaluate(engine, config, eval_sampler, device)
+            eval_loss = result.loss
+            metrics.log_eval(state.step, eval_loss, coverage(result), describe(result))
             state.early_stopped = early.update(state.step, eval_loss) and not last
             if state.early_stopped:
                 _report_early_stop(metrics, early, state.step)
@@ -159,6 +165,10 @@ def train(engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler,
     vote.result()  # leave no collective in flight
     metrics.finish(state, saved_checkpoint=t.save_checkpoints)
     return state
+
+
+def _add(total: int | None, count: int | None) -> int | None:
+    return None if total is None or count is None else total + count
 
 
 def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, rank: int, world: int, device):

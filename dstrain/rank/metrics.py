@@ -5,9 +5,11 @@ On a terminal the console shows a rich progress bar with the ETA, loss, tokens/s
 (CI, pipes, log files) one plain line per logged step. Everything here runs at log steps, which the
 loop already waits for the device at; nothing is read from the device between them.
 
-metrics.jsonl rows: training rows (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu,
+metrics.jsonl rows: training rows (step, loss, lr, grad_norm, tokens_per_s (every position of every
+row, padding included), real_tokens_per_s (non-pad tokens only; absent for a user's Dataset), tflops_per_device, mfu,
 data_wait_ms, step_time_ms, memory_gib, gpu_mem_allocated_gib, gpu_mem_reserved_gib, host_rss_gib,
-loss_scale, skipped_steps, time), evaluation rows (step, eval_loss, time) and event rows ({"event":
+loss_scale, skipped_steps, time), evaluation rows (step, eval_loss, eval_samples, eval_examples,
+eval_split_samples, time: what the evaluation covered, each sample once) and event rows ({"event":
 kind, "step": ...}): "run_start" and "run_end" bracket each session of a run (dstrain/run_summary.py
 reads them), other kinds come from `log_event` (rollbacks, say). Keys a run cannot measure are absent:
 mfu and gpu_mem_* on CPU, loss_scale and skipped_steps without fp16, grad_norm where DeepSpeed keeps
@@ -109,13 +111,14 @@ class MetricsLog:
         self.progress: Progress | None = None
         self.task = None
         self.last_loss: float | None = None
+        self.run_facts: dict[str, Any] = {}  # written into each run_start event (the data's packing, say)
 
     def start(self, step: int) -> None:
         if not self.enabled:
             return
         self._write({"event": "run_start", "step": step, "max_steps": self.max_steps, "world_size": self.world,
                      "device": self.device_name, "peak_tflops": self.peak_tflops,
-                     "tokens_per_step": self.tokens_per_step, "time": time.time()})
+                     "tokens_per_step": self.tokens_per_step, **self.run_facts, "time": time.time()})
         if not self.console.is_terminal:
             return
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=BAR_WIDTH), MofNCompleteColumn(),
@@ -140,16 +143,18 @@ class MetricsLog:
                       f"{type(err).__name__}: {err}", file=sys.stderr)
 
     def log_step(self, step: int, loss: float, lr: float, elapsed: float, steps: int, data_s: float = 0.0,
-                 stats: dict[str, float] | None = None) -> None:
+                 stats: dict[str, float] | None = None, real_tokens: int | None = None) -> None:
         """One log interval of `steps` steps that took `elapsed` s, `data_s` of them building batches on
-        the host; `stats` from `engine_stats`."""
+        the host; `stats` from `engine_stats`; `real_tokens`: the non-pad tokens of those steps."""
         if not self.enabled:
             return
         elapsed = max(elapsed, 1e-9)
         tokens_per_s = self.tokens_per_step * steps / elapsed
         tflops = tokens_per_s * self.flops_per_token / self.world / 1e12
-        values: dict[str, float] = {"loss": loss, "lr": lr, **(stats or {}), "tokens_per_s": tokens_per_s,
-                                    "tflops_per_device": tflops}
+        values: dict[str, float] = {"loss": loss, "lr": lr, **(stats or {}), "tokens_per_s": tokens_per_s}
+        if real_tokens is not None:
+            values["real_tokens_per_s"] = real_tokens / elapsed
+        values["tflops_per_device"] = tflops
         if self.peak_tflops:
             values["mfu"] = tflops / self.peak_tflops
         values["data_wait_ms"] = 1000 * data_s / steps
@@ -165,8 +170,11 @@ class MetricsLog:
         self._show(step, values, eta_s=(self.max_steps - step) * elapsed / steps)
 
     def _show(self, step: int, v: dict[str, float], eta_s: float) -> None:
+        tokens = f"{v['tokens_per_s']:,.0f} tok/s"
+        if "real_tokens_per_s" in v and v["real_tokens_per_s"] < v["tokens_per_s"]:
+            tokens += f" ({v['real_tokens_per_s']:,.0f} real)"
         fields = [f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
-                  f"gnorm {v['grad_norm']:.3g}" if "grad_norm" in v else "", f"{v['tokens_per_s']:,.0f} tok/s",
+                  f"gnorm {v['grad_norm']:.3g}" if "grad_norm" in v else "", tokens,
                   f"MFU {v['mfu']:.1%}" if "mfu" in v else f"{v['tflops_per_device']:.2f} TFLOP/s",
                   f"mem {v['memory_gib']:.2f} GiB"]
         if self.progress is not None:
@@ -178,12 +186,13 @@ class MetricsLog:
             info = "  ".join(f for f in fields if f)
             self.console.print(f"step {step}/{self.max_steps}  {info}  eta {_duration(eta_s)}", soft_wrap=True)
 
-    def log_eval(self, step: int, loss: float) -> None:
+    def log_eval(self, step: int, loss: float, covered: dict[str, Any] | None = None, what: str = "") -> None:
+        """An evaluation's loss; `covered`: how many held-out samples and examples (eval_samples, ...)."""
         if not self.enabled:
             return
-        self._write({"step": step, "eval_loss": loss, "time": time.time()})
+        self._write({"step": step, "eval_loss": loss, **(covered or {}), "time": time.time()})
         self._to_trackers("log_metrics", step, {"eval_loss": loss})
-        self.note(f"step {step}: eval loss {loss:.4f}")
+        self.note(f"step {step}: eval loss {loss:.4f}" + (f" over {what}" if what else ""))
 
     def log_event(self, kind: str, step: int, **fields: Any) -> None:
         """An event (a rollback, say): {"event": kind, "step": step, **fields} in metrics.jsonl, and an

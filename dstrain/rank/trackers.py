@@ -29,12 +29,12 @@ from dstrain.run_summary import describe_event
 
 # Tracker tag of each metrics.jsonl key: "group/key", so TensorBoard and W&B show related charts together.
 GROUPS = {"loss": "train", "eval_loss": "eval", "lr": "train", "grad_norm": "train", "loss_scale": "fp16",
-          "skipped_steps": "fp16", "tokens_per_s": "speed", "tflops_per_device": "speed", "mfu": "speed",
+          "skipped_steps": "fp16", "tokens_per_s": "speed", "real_tokens_per_s": "speed", "tflops_per_device": "speed", "mfu": "speed",
           "data_wait_ms": "speed", "step_time_ms": "speed", "memory_gib": "memory",
           "gpu_mem_allocated_gib": "memory", "gpu_mem_reserved_gib": "memory", "host_rss_gib": "memory"}
 
 # The CSV's columns; keys outside this list (event fields, say) go to its "details" column as JSON.
-CSV_COLUMNS = ("time", "step", "event", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s",
+CSV_COLUMNS = ("time", "step", "event", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "real_tokens_per_s",
                "tflops_per_device", "mfu", "data_wait_ms", "step_time_ms", "memory_gib", "gpu_mem_allocated_gib",
                "gpu_mem_reserved_gib", "host_rss_gib", "loss_scale", "skipped_steps", "details")
 

@@ -126,6 +126,15 @@ def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
     return train_rank(run_dir, config, ds_config, launch, stop)
 
 
+def data_facts(sampler) -> dict:
+    """For examples (row formats): how many, in how many rows, and the packing efficiency."""
+    efficiency = getattr(sampler, "efficiency", None)
+    if efficiency is None:
+        return {}
+    return {"train_examples": len(sampler.lengths), "train_rows": sampler.size,
+            "packed": sampler.packed, "packing_efficiency": efficiency}
+
+
 def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> int:
     """Build the engine, restore the checkpoint to resume, train, export."""
     import torch.distributed as dist
@@ -164,6 +173,13 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
     metrics = MetricsLog(run_dir, rank == 0, config.train.max_steps, tokens_per_step, flops, world, device, trackers)
     if rank == 0:  # the full plan was printed by `dstrain run` before the ranks started
         metrics.console.print(f"rank 0: {world} ranks up, model {n_params:,} parameters", soft_wrap=True)
+        facts = data_facts(train_sampler)
+        if facts:
+            metrics.run_facts.update(facts)
+            metrics.console.print(f"data: {facts['train_examples']:,} examples in {facts['train_rows']:,} rows of "
+                                  f"{config.data.seq_len} tokens ({'packed' if facts['packed'] else 'one per row'}): "
+                                  f"packing efficiency {facts['packing_efficiency']:.1%} (real tokens / row tokens)",
+                                  soft_wrap=True)
         if resume:
             metrics.console.print(f"resumed from {resume['tag']} at step {start_step}")
         now = time.perf_counter()

@@ -27,7 +27,8 @@ PANELS = (
     ("loss", "Loss", "loss", [("loss", "train"), ("eval_loss", "eval")], False),
     ("lr", "Learning rate", "lr", [("lr", "")], False),
     ("grad_norm", "Gradient norm (before clipping)", "global L2 norm", [("grad_norm", "")], True),
-    ("throughput", "Throughput", "tokens/s", [("tokens_per_s", "")], False),
+    ("throughput", "Throughput", "tokens/s", [("tokens_per_s", "all positions"), ("real_tokens_per_s", "real (non-pad)")],
+     False),
     ("memory", "Memory", "GiB", [("gpu_mem_allocated_gib", "GPU allocated"), ("gpu_mem_reserved_gib", "GPU reserved"),
                                  ("host_rss_gib", "host RSS")], False),
 )
