@@ -2,7 +2,7 @@
 
     source benchmarks/gpu_env.sh && python3 benchmarks/sft.py --out $OUT      # one H100, ~20 minutes
     python3 benchmarks/sft.py --rows 'z2-full-*' --out /tmp/o                 # a partial re-run
-    python3 benchmarks/sft.py --tiny --out /tmp/o                             # CPU smoke run, ~5 minutes
+    python3 benchmarks/sft.py --tiny --out /tmp/o                             # CPU smoke run, minutes
 
 What it builds (in --work, reused when there): a Llama-shaped model of 1.1B parameters (TinyLlama's shape,
 max_position_embeddings 4096) with random weights, saved by save_pretrained in bf16 safetensors, with a
@@ -43,6 +43,7 @@ import fnmatch
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -65,7 +66,7 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, 
                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
                 rms_norm_eps=1e-5, rope_theta=10000.0)
 LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False)
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_R, LORA_ALPHA = 16, 32
 LR = 2e-5
@@ -190,11 +191,13 @@ def dstrain_row(name: str, stage: int, lora: bool, packed: bool, ctx: dict, args
                "--accelerator", args.accelerator, "--run-dir", str(run_dir)]
     for item in sets + (args.dstrain_set or []):
         command += ["--set", item]
-    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_timeout, cwd=DSTRAIN_ROOT)
+    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit, cwd=DSTRAIN_ROOT)
     row.update({"wall_s": round(wall, 1), "command": " ".join(command)})
     metrics_path = run_dir / "metrics.jsonl"
-    steps = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-    steps = [r for r in steps if "loss" in r and "step_time_ms" in r]
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    steps = [r for r in records if "loss" in r and "step_time_ms" in r]
+    start = next((r for r in records if r.get("event") == "run_start"), {})
+    row["run_start"] = {k: v for k, v in start.items() if k not in ("event", "step", "time", "peak_tflops")}
     if code or not steps:
         return {**row, "error": f"exit {code}: {tail}"}
     timed = [r for r in steps if r["step"] > args.warmup] or steps[-1:]
@@ -247,7 +250,7 @@ def trl_row(name: str, stage: int, lora: bool, ctx: dict, args) -> dict:
             "seed": args.seed, "output_dir": str(where / "out"), "result": str(where / "result.json"),
             "cuda": args.accelerator == "cuda"}
     (where / "spec.json").write_text(json.dumps(spec))
-    use_deepspeed = args.trl_deepspeed == "on" or (args.trl_deepspeed == "auto" and args.accelerator == "cuda")
+    use_deepspeed = args.trl_deepspeed == "on"
     if use_deepspeed:
         (where / "ds_config.json").write_text(json.dumps(trl_ds_config(stage), indent=2))
         accelerate_config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED",
@@ -263,7 +266,7 @@ def trl_row(name: str, stage: int, lora: bool, ctx: dict, args) -> dict:
     (where / "accelerate.yaml").write_text(json.dumps(accelerate_config, indent=2))  # JSON is YAML
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(where / "accelerate.yaml"),
                str(Path(__file__).resolve()), "trl-child", "--spec", str(where / "spec.json")]
-    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_timeout, cwd=REPO)
+    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit, cwd=REPO)
     row.update({"wall_s": round(wall, 1), "deepspeed": use_deepspeed, "command": " ".join(command)})
     result = where / "result.json"
     if code or not result.exists():
@@ -408,12 +411,14 @@ def install_extras() -> str:
         arrow = (0,)
     wheels = [w for w in sorted(extra.glob("*.whl"))
               if not w.name.startswith("datasets-") or w.name.startswith("datasets-5" if arrow >= (24,) else "datasets-4")]
-    target = "/tmp/site"
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--target", target, *map(str, wheels)], capture_output=True, text=True)
-    if target not in sys.path:
+    target, said = "/tmp/site", []
+    for wheel in wheels:  # one at a time: a wheel that does not install does not take the others with it
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                               "--no-compile", "--target", target, str(wheel)], capture_output=True, text=True)
+        said.append(wheel.name + ("" if done.returncode == 0 else f" FAILED: {done.stderr.strip()[-300:]}"))
+    if target not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # gpu_env.sh puts it there already
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (target, os.environ.get("PYTHONPATH")) if p)
-    return f"installed {', '.join(w.name for w in wheels)} (exit {done.returncode}) {done.stderr[-500:]}"
+    return "installed into /tmp/site: " + "; ".join(said)
 
 
 def versions() -> dict:
@@ -479,17 +484,19 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None,
                         help="model, data and run folders; reused when there (default /tmp/dstrain-sft[-tiny])")
     parser.add_argument("--rows", default=None, help="comma-separated row names or globs, e.g. 'z2-full-*,trl-z3-*'")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny Llama, seq_len 256, 3 steps")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny Llama, seq_len 512, 3 steps")
     parser.add_argument("--accelerator", choices=("cuda", "cpu"), default=None)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps a row (default 16; tiny 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 4; tiny 1)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 4096; tiny 256")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 4096; tiny 512")
     parser.add_argument("--micro-batch", type=int, default=None, help="rows a step (default 4; tiny 2)")
     parser.add_argument("--examples", type=int, default=None, help="instruction examples (default 6000; tiny 400)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--row-timeout", type=float, default=None, help="seconds a row may take (default 420)")
-    parser.add_argument("--trl-deepspeed", choices=("auto", "on", "off"), default="auto",
-                        help="TRL through accelerate's DeepSpeed plugin (auto: on CUDA)")
+    parser.add_argument("--row-timeout", type=float, default=None, help="seconds a row may take (default 300)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole command; rows that would start later are skipped (default 1320)")
+    parser.add_argument("--trl-deepspeed", choices=("on", "off"), default="on",
+                        help="TRL through accelerate's DeepSpeed plugin (off: accelerate without DeepSpeed)")
     parser.add_argument("--dstrain-set", action="append", help="extra --set for the dstrain rows")
     args = parser.parse_args()
     if args.command == "trl-child":
@@ -501,8 +508,9 @@ def main() -> None:
 
     tiny = args.tiny
     args.accelerator = args.accelerator or ("cpu" if tiny else "cuda")
-    for key, full, small in (("steps", 16, 3), ("warmup", 4, 1), ("seq_len", 4096, 256), ("micro_batch", 4, 2),
-                             ("examples", 6000, 400), ("row_timeout", 420, 900)):
+    for key, full, small in (("steps", 16, 3), ("warmup", 4, 1), ("seq_len", 4096, 512), ("micro_batch", 4, 2),
+                             ("examples", 6000, 400), ("row_timeout", 300, 900),
+                             ("budget", 1320, 3600)):
         if getattr(args, key) is None:
             setattr(args, key, small if tiny else full)
     if args.warmup >= args.steps:
@@ -516,8 +524,9 @@ def main() -> None:
         log(f"extras: {install_extras()}")
 
     model_dir, data_dir = args.work / "model", args.work / "data"
-    if (model_dir / "bench_facts.json").exists():
-        facts = json.loads((model_dir / "bench_facts.json").read_text())
+    facts_file = model_dir / "bench_facts.json"
+    if facts_file.exists() and json.loads(facts_file.read_text())["shape"] == (LLAMA_TINY if tiny else LLAMA_1B):
+        facts = json.loads(facts_file.read_text())
         log(f"model reused: {model_dir}")
     else:
         log("building the tokenizer and the model (random weights, bf16 safetensors)")
@@ -537,17 +546,29 @@ def main() -> None:
            "versions": versions_in_child(), "model": facts, "data": lengths, "dstrain_schema": dstrain_schema(),
            "settings": {k: str(v) for k, v in vars(args).items()}, "rows": []}
     log(f"versions: {json.dumps(doc['versions'])}")
-    out_file = args.out / f"sft-{'cpu' if device == 'cpu' else device.split()[-1].lower().replace('/', '_')}.json"
+    short = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device)  # "NVIDIA H100 80GB HBM3" -> h100
+    out_file = args.out / f"sft-{short.group(1).lower() if short else 'cpu' if device == 'cpu' else 'gpu'}.json"
     planned = plan_rows(args)
     log(f"{len(planned)} rows: {', '.join(r[0] for r in planned)}")
+    if out_file.exists():  # a partial re-run (--rows) keeps the rows of the earlier run it does not repeat
+        again = {r[0] for r in planned}
+        doc["rows"] = [r for r in json.loads(out_file.read_text()).get("rows", []) if r["name"] not in again]
     for name, runner, stage, lora, packed in planned:
-        log(f"row {name}: start")
+        left = args.budget - (time.time() - T0)
+        if left < 60:  # the device call has a hard end: keep what is measured, say what was not
+            log(f"row {name}: skipped, {args.budget:.0f}s budget spent")
+            doc["rows"].append({"name": name, "runner": runner, "stage": stage, "lora": lora, "packed": packed,
+                                "error": f"skipped: the {args.budget:.0f}s budget (--budget) was spent"})
+            continue
+        args.row_limit = min(args.row_timeout, left)
+        log(f"row {name}: start (at most {args.row_limit:.0f}s)")
         try:
             row = (dstrain_row(name, stage, lora, packed, ctx, args) if runner == "dstrain"
                    else trl_row(name, stage, lora, ctx, args))
         except Exception as err:  # noqa: BLE001 - one broken row must not lose the others
             row = {"name": name, "runner": runner, "stage": stage, "lora": lora, "packed": packed,
                    "error": f"{type(err).__name__}: {err}"}
+        row["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         doc["rows"].append(row)
         out_file.write_text(json.dumps(doc, indent=2) + "\n")  # after every row: a cut-off call keeps the rest
         if "error" in row:
@@ -556,6 +577,9 @@ def main() -> None:
             log(f"row {name}: {row['real_tokens_per_s']:,.0f} real tok/s, {row['row_tokens_per_s']:,.0f} row tok/s, "
                 f"peak {row['peak_gpu_gib'] if row['peak_gpu_gib'] is None else round(row['peak_gpu_gib'], 2)} GiB, "
                 f"loss {row['first_loss']} -> {row['last_loss']}, {row['wall_s']}s")
+    order = [r[0] for r in plan_rows(argparse.Namespace(rows=None))]
+    doc["rows"].sort(key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+    out_file.write_text(json.dumps(doc, indent=2) + "\n")
     print("\n" + table(doc["rows"]), flush=True)
     log(f"written to {out_file}")
 
