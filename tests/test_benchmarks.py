@@ -55,3 +55,35 @@ def test_largest_model_search_trains_the_predicted_depth(tmp_path):
     assert entry["trials"][0]["outcome"] == "ok"
     assert entry["largest_trained"]["n_layer"] == 2
     assert doc["host_ram_gib"] > 0 and doc["family"]["d_model"] == 64
+
+
+def test_instruction_data_follows_alpaca_gpt4_lengths_and_the_seed(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    from make_instruction_data import write
+    first = write(tmp_path / "a", examples=2000, seed=3, chars_per_token=4.0)
+    write(tmp_path / "b", examples=2000, seed=3, chars_per_token=4.0)
+    for layout in ("alpaca.jsonl", "sharegpt.jsonl"):
+        assert (tmp_path / "a" / layout).read_bytes() == (tmp_path / "b" / layout).read_bytes()
+    # the published means (Wang et al. 2023, Table 1): prompt 28.0, completion 161.8 LLaMA tokens
+    assert first["mean_prompt_tokens"] == pytest.approx(28.0, rel=0.1)
+    assert first["mean_tokens"]["output"] == pytest.approx(161.8, rel=0.1)
+    alpaca = [json.loads(line) for line in (tmp_path / "a" / "alpaca.jsonl").read_text().splitlines()]
+    sharegpt = [json.loads(line) for line in (tmp_path / "a" / "sharegpt.jsonl").read_text().splitlines()]
+    assert len(alpaca) == len(sharegpt) == 2000
+    assert sharegpt[0]["conversations"][1] == {"from": "gpt", "value": alpaca[0]["output"]}
+    # characters follow the sampled tokens: ~4 characters a token of output on average
+    mean_chars = sum(len(row["output"]) for row in alpaca) / len(alpaca)
+    assert mean_chars == pytest.approx(4.0 * first["mean_tokens"]["output"], rel=0.1)
+
+
+def test_sft_benchmark_runs_a_padded_dstrain_row_and_reports_real_tokens(tmp_path):
+    run_script("sft.py", "--tiny", "--rows", "dstrain-z2-full-padded", "--steps", "2", "--examples", "60",
+               "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
+    doc = json.loads((tmp_path / "out" / "sft-cpu.json").read_text())
+    assert doc["model"]["shape"]["vocab_size"] == 512 and doc["data"]["examples"] == 60
+    [row] = doc["rows"]
+    assert row["name"] == "dstrain-z2-full-padded" and "error" not in row, row
+    # padding counts in row tokens/s, never in real tokens/s
+    assert 0 < row["real_tokens_per_s"] < row["row_tokens_per_s"]
+    assert row["first_loss"] > 0 and row["last_loss"] > 0
+    assert (tmp_path / "out" / "logs" / "dstrain-z2-full-padded.log").exists()
