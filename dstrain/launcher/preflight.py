@@ -104,16 +104,18 @@ def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
     _check_data(resolved)
     check_trackers(resolved)
     _fit_nvme_swap_buffer(resolved, facts.largest)
-    _fetch_blocks_whole(resolved, facts.block_class)
+    _fetch_blocks_whole(resolved, facts.block_class, frozen=facts.trainable < facts.params)
     return facts.params, facts.trainable
 
 
-def _fetch_blocks_whole(resolved: ResolvedConfig, block_class: str | None) -> None:
+def _fetch_blocks_whole(resolved: ResolvedConfig, block_class: str | None, frozen: bool) -> None:
     """ZeRO-3 with an hf: model: each transformer block is one fetch (DeepSpeed's leaf modules), as
     dstrain/config/resolve.py does for the built-in GPT, unless the user chose the granularity.
-    DeepSpeed's own default leaf classes (MoE blocks) are kept."""
+    DeepSpeed's own default leaf classes (MoE blocks) are kept. Not where some weights are frozen
+    (LoRA, train.frozen): DeepSpeed 0.19 releases a leaf block's partitioned weights before autograd
+    has stored the trainable ones' gradients ("The size of tensor a (0) must match ...")."""
     zero = resolved.ds_config.get("zero_optimization")
-    if (block_class is None or not isinstance(zero, dict) or zero.get("stage") != 3
+    if (block_class is None or frozen or not isinstance(zero, dict) or zero.get("stage") != 3
             or "leaf_module" in zero or "stage3_module_granularity_threshold" in zero
             or (zero.get("offload_param") or {}).get("device") == "nvme"):
         return
