@@ -45,7 +45,7 @@ def launch(o: LaunchOptions) -> int:
     shape = job_shape(o, accelerator)
     _warn_about_launcher(o, shape, console)
     resolved = resolve(_preset(o, shape, accelerator, console), o.config_file, o.sets, world_size=shape.world,
-                       accelerator=accelerator)
+                       accelerator=accelerator, strict=o.strict)
     run_dir = Path(o.run_dir or default_run_dir(resolved))
     port = master_port(o, shape)
     command = runner_command(o, shape.ranks, shape.nodes, run_dir, port)
