@@ -1,5 +1,6 @@
-"""The DSTRAIN_<KEY> environment layer of the `speedups:` section (dstrain/config/layers.py): off, on, or
-a number for tuning, resolved by the `dstrain` command into the config the ranks read (fast lane)."""
+"""The `speedups:` section's switches: the DSTRAIN_<KEY> environment layer (dstrain/config/layers.py: off,
+on, or a number for tuning, resolved by the `dstrain` command into the config the ranks read) and the
+registry's use of them (fast lane)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,20 @@ def test_a_bad_switch_value_names_its_variable():
     with pytest.raises(UserError) as err:
         speedups({"DSTRAIN_ZERO3_STEP": "fast"})
     assert "DSTRAIN_ZERO3_STEP=fast" in str(err.value) and "speedups.zero3_step" in str(err.value)
+
+
+def test_every_registered_change_has_its_switch_in_the_config_and_known_prerequisites():
+    from dstrain.config.schema import SpeedupsConfig
+    from dstrain.speedups import REGISTRY, VERIFIED
+
+    names = [entry.name for entry in REGISTRY]
+    assert len(names) == len(set(names))
+    for entry in REGISTRY:
+        assert entry.switch in SpeedupsConfig.model_fields, entry.name
+        assert set(entry.requires) <= set(names) and entry.name not in entry.requires, entry.name
+        assert entry.replaces and all(r.startswith("deepspeed.") for r in entry.replaces), entry.name
+        assert entry.verified_on == VERIFIED, entry.name
+    # every switch turns at least one change on or off
+    switches = {entry.switch for entry in REGISTRY}
+    assert switches | {"offload_chunk_elements", "offload_overlap_threads", "offload_gil_handoff"} == set(
+        SpeedupsConfig.model_fields)
