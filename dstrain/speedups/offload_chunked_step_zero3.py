@@ -76,10 +76,12 @@ def rounds_on_host(engine) -> str | None:
     can): that needs parameter offload, every bf16 partition on the host."""
     import torch
 
-    if all(flat.device.type == "cpu" and flat.dtype == torch.bfloat16
-           for flat in engine.optimizer.fp16_partitioned_groups_flat):
-        return None
-    return "the bf16 partitions are not all on the host (no parameter offload)"
+    flats = engine.optimizer.fp16_partitioned_groups_flat
+    if any(flat.dtype != torch.bfloat16 for flat in flats):
+        return "the weights are not bf16"
+    if any(flat.device.type != "cpu" for flat in flats):
+        return "the bf16 partitions are not on the host (no parameter offload)"
+    return None
 
 
 def _chunked_step(self, closure=None):
