@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     t0 = synced()
     model = build_model(config, ds_config, device)
     t1 = synced()
-    engine = initialize_engine(model, ds_config)  # as the worker builds it
+    engine = initialize_engine(model, ds_config, config.speedups)  # as the worker builds it
     t2 = synced()
     profile.disable()
     print(f"imports {imported - started:.2f} s, process group {joined - imported:.2f} s, "

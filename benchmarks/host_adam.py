@@ -1,6 +1,6 @@
 """How fast this host runs the CPU-offload optimizer update, without a model: its memory bandwidth
 (a stream copy and add over 1 GiB tensors) against dstrain's Adam update from bf16 gradients (the
-offload presets' step, dstrain/rank/cpu_adam_nogil.cpp) over an N-element partition in 8M-element
+offload presets' step, dstrain/speedups/cpu_adam_nogil.cpp) over an N-element partition in 8M-element
 chunks, alone, with the new weights rounded to bf16 in the same pass (the ZeRO-3 offload step with
 parameter offload), and with each chunk's fp32 weights sent to the GPU, rounded there and the bf16
 values sent back into a pinned host partition (that step before host rounding). Prints a table.
@@ -40,7 +40,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from dstrain.rank.adam_nogil import adam_without_gil
+    from dstrain.speedups.cpu_adam_nogil import adam_without_gil
 
     rows = []
     big = 1 << 28  # 1 GiB of fp32

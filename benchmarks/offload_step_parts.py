@@ -1,7 +1,7 @@
 """Where the host time of one ZeRO-1/2 CPU-offload optimizer step goes, without a model: DeepSpeed's
 three passes over an N-element fp32 partition (unscale multiply, CPU Adam, fp32 -> bf16 copy into a
 pinned buffer) and the copy to the GPU, timed one by one, against the same work done in chunks, with
-the bf16 rounding on the host or (as dstrain/rank/offload_step.py does) on the GPU. Prints a table; needs DeepSpeed's cpu_adam op (and CUDA for the copy).
+the bf16 rounding on the host or (as dstrain/speedups/offload_chunked_step.py does) on the GPU. Prints a table; needs DeepSpeed's cpu_adam op (and CUDA for the copy).
 
     python3 benchmarks/offload_step_parts.py --elements 405899264
 """

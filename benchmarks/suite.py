@@ -48,6 +48,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -150,20 +151,17 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
             checkpoint_in_cpu=ac.get("cpu_checkpointing", False),
             synchronize=ac.get("synchronize_checkpoint_boundary", False))
         model.enable_checkpointing(deepspeed.checkpointing.checkpoint)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
-                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
-    if dstrain_offload:
-        from dstrain.rank.offload import speed_up_offload
-        applied = speed_up_offload(engine, os.environ)
-        print("dstrain offload changes: " + ", ".join(f"{k} {v}" for k, v in applied.items()), flush=True)
-    if dstrain_zero3_step:  # as dstrain's worker and init_rank apply them, with the same DSTRAIN_* switches
-        from dstrain.rank.runtime import fast_current_stream
-        from dstrain.rank.zero3 import speed_up_zero3
-        from dstrain.switches import switched_off
-        lean, unhooked, grads = speed_up_zero3(engine, os.environ)
-        streams = not switched_off(os.environ, "DSTRAIN_CUDA_STREAM") and fast_current_stream()
-        print(f"dstrain ZeRO-3 step: {lean}, modules unhooked: {unhooked}, lean gradients: {grads}, "
-              f"fast current stream: {streams}", flush=True)
+    from dstrain import speedups
+    # dstrain's changes as its worker makes them, switched by the row's speedups section (+env:DSTRAIN_*)
+    wanted = tuple(entry.name for entry in speedups.REGISTRY
+                   if (dstrain_offload and entry.family == "CPU offload")
+                   or (dstrain_zero3_step and entry.family in ("ZeRO-3", "CUDA")))
+    with speedups.building_engine(config.speedups) if dstrain_zero3_step else contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
+    if wanted:
+        for line in speedups.apply(engine, config.speedups, only=wanted).lines():
+            print(line, flush=True)
     if config.train.compile and dc_full_schedule:  # DeepSpeed's own DeepCompile schedule, profiled passes too
         engine.compile()
     elif config.train.compile:  # as dstrain's worker compiles (DeepCompile's schedule included)
@@ -329,7 +327,8 @@ def _phase_times(engine, next_batch, device, steps: int) -> dict:
     times = {"forward": [], "backward": [], "step": []}
     # dstrain's ZeRO-3 offload step beside the forward: the worker's time on the update, and the forward's
     # time waiting for it (offload_overlap_zero3.py)
-    overlap = getattr(getattr(engine, "optimizer", None), "_dstrain_overlap", None)
+    from dstrain.speedups import state_of
+    overlap = getattr(state_of(engine), "overlap", None)
     if overlap is not None:
         times.update({"update (worker)": [], "forward's waits": []})
     for _ in range(steps):
@@ -665,8 +664,8 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(gpus, 1))))  # as dstrain does
     env.update(f[len("env:"):].split("=", 1) for f in flags if f.startswith("env:") and "=" in f)
     try:
-        resolved = resolve(None if preset == "none" else preset, None, sets, world_size=gpus,
-                           accelerator=args.accelerator, env={})
+        resolved = resolve(None if preset == "none" else preset, None, sets, world_size=gpus,  # speedups: the row's
+                           accelerator=args.accelerator, env={k: v for k, v in env.items() if k.startswith("DSTRAIN_")})
     except Exception as err:  # noqa: BLE001 - a bad variant is reported in its row
         row["status"] = f"config error: {err}"
         return row
@@ -747,7 +746,7 @@ def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     +gc_freeze (torch/deepspeed runners: gc.freeze() before the loop, as dstrain's worker does),
     +dstrain_offload (deepspeed runner: dstrain's offload changes on the hand-built engine),
     +dstrain_zero3_step (deepspeed runner: dstrain's ZeRO-3 step and unhooked persistent modules,
-    rank/zero3_step.py and zero3_hooks.py, on the hand-built engine),
+    speedups/zero3_step.py and zero3_unhook.py, on the hand-built engine),
     +phases (deepspeed runner: after the measured loop, 6 steps timed phase by phase, forward, backward
     and optimizer step, with the device synchronised between them),
     +dc_full_schedule (deepspeed runner with deepspeed.compile.deepcompile: DeepSpeed's own DeepCompile

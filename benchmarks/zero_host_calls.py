@@ -2,7 +2,7 @@
 for the forward, the backward and the optimizer step of dstrain's GPT on one CPU rank (gloo), with the
 DeepSpeed JSON dstrain renders for a preset. On a host-bound GPU step these calls are what the GPU waits
 for (docs/benchmarks.md, finding 38). Stage 3 gets dstrain's step, unhooked blocks and lean gradient
-copies, as the worker does (DSTRAIN_ZERO3_GRADS=off: DeepSpeed's copies).
+copies, as the worker does (DSTRAIN_ZERO3_GRADS=off, i.e. speedups.zero3_grads=false: DeepSpeed's copies).
 
     python3 benchmarks/zero_host_calls.py --preset stage2
     python3 benchmarks/zero_host_calls.py --preset stage2 --lean-bucket   # finding 38's prototype
@@ -88,19 +88,21 @@ def main() -> None:
 
     from dstrain.config.resolve import resolve
     from dstrain.models.gpt import GPT
-    from dstrain.rank.zero3 import speed_up_zero3
+    from dstrain import speedups
 
     deepspeed.init_distributed(dist_backend="gloo")
     width, vocab, seq, micro = args.d_model, 512, 64, 2
     sets = [f"train.micro_batch_size={micro}", f"model.d_model={width}", f"model.n_layer={args.n_layer}", *args.set]
     # the JSON dstrain renders for WORLD GPUs (blocks whole and fetched as one under ZeRO-3), on CPU ranks
-    ds = resolve(args.preset, None, sets, world_size=world, accelerator="cuda", env={}).ds_config
+    resolved = resolve(args.preset, None, sets, world_size=world, accelerator="cuda",
+                       env={k: v for k, v in os.environ.items() if k.startswith("DSTRAIN_")})  # speedups switches
+    ds = resolved.ds_config
     ds.pop("scheduler", None)
     torch.manual_seed(0)
     model = GPT(vocab, seq, width, args.n_layer, 4)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     if ds["zero_optimization"]["stage"] == 3:
-        speed_up_zero3(engine, os.environ)
+        speedups.apply(engine, resolved.config.speedups)
     elif args.lean_bucket:
         lean_bucket(engine.optimizer)
 

@@ -6,9 +6,7 @@ torch or DeepSpeed, so they answer at once. Bad input raises UserError, printed 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -54,22 +52,6 @@ def handles_user_errors(func: Callable) -> Callable:
             _stderr().print(f"[bold red]error:[/] {escape(str(err))}", markup=True, soft_wrap=True)
             raise typer.Exit(EXIT_BAD_INPUT)
     return wrapper
-
-
-@contextlib.contextmanager
-def strict_mode(strict: bool):
-    """--strict reaches every resolution the command makes the way DSTRAIN_STRICT=1 does."""
-    from dstrain.config.resolve import ENV_STRICT
-    before = os.environ.get(ENV_STRICT)
-    if strict:
-        os.environ[ENV_STRICT] = "1"
-    try:
-        yield
-    finally:
-        if strict and before is None:
-            os.environ.pop(ENV_STRICT, None)
-        elif strict:
-            os.environ[ENV_STRICT] = before
 
 
 def _world(gpus: Optional[int], nodes: int, accelerator: str) -> tuple[int, str]:
@@ -170,9 +152,9 @@ def run_cmd(
         preset=preset, config_file=config, sets=set_ or [], gpus=world_per_node_gpus, nodes=nodes,
         hostfile=hostfile, include=include, exclude=exclude, master_port=master_port,
         master_addr=master_addr, launcher=launcher, node_rank=node_rank, no_ssh=no_ssh,
-        accelerator=accelerator, run_dir=run_dir, resume=resume, dry_run=dry_run, verbose=verbose)
-    with strict_mode(strict):
-        code = launch(options)
+        accelerator=accelerator, run_dir=run_dir, resume=resume, dry_run=dry_run, verbose=verbose,
+        strict=strict or None)
+    code = launch(options)
     raise typer.Exit(code)
 
 
@@ -210,8 +192,7 @@ def estimate_cmd(
     if preset:
         from dstrain.config.presets import preset_path
         preset_path(preset)
-    with strict_mode(strict):
-        plan = make_plan(config, set_ or [], params, gpus, nodes, gpu_mem, cpu_mem, accelerator)
+    plan = make_plan(config, set_ or [], params, gpus, nodes, gpu_mem, cpu_mem, accelerator, strict=strict or None)
     if json_output:
         report = E.to_json(plan.estimates, plan.recommended, plan.reason, plan.hardware, plan.workload)
         report["notes"] = plan.notes

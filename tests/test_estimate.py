@@ -401,10 +401,11 @@ def test_every_shipped_preset_renders_to_the_placement_its_name_promises():
 def test_cpu_offload_counts_the_offload_steps_gpu_staging_chunk():
     """dstrain's offload steps round to bf16 on the GPU from one fp32 chunk: 32 MiB with the optimizer on
     the CPU, 48 MiB for ZeRO-3 with the parameters there too (the bf16 chunk goes back to the host)."""
-    from dstrain.rank.offload_step import DEFAULT_CHUNK_ELEMENTS
+    from dstrain.config.schema import SpeedupsConfig
+    from dstrain.speedups.offload_chunked_step import DEFAULT_CHUNK_ELEMENTS
     from dstrain.tools.estimate.memory import OFFLOAD_STEP_CHUNK_ELEMENTS
 
-    assert OFFLOAD_STEP_CHUNK_ELEMENTS == DEFAULT_CHUNK_ELEMENTS
+    assert OFFLOAD_STEP_CHUNK_ELEMENTS == DEFAULT_CHUNK_ELEMENTS == SpeedupsConfig().offload_chunk_elements
     hw = node(gpus=1)
     for stage in (1, 2):
         est = estimate_one("s", Placement(stage, "cpu", precision="bf16"), LLAMA_7B, hw)

@@ -1,4 +1,4 @@
-"""dstrain/rank/offload_step_zero3.py and offload_grads_zero3.py: ZeRO-3 CPU offload with the step done
+"""dstrain/speedups/offload_chunked_step_zero3.py and offload_grads_zero3.py: ZeRO-3 CPU offload with the step done
 in chunks and each gradient copied to the host once (in bf16 where the weights and the gradient
 accumulation are bf16) trains bit for bit as DeepSpeed's own step and copies
 (real engines, DeepSpeedCPUAdam, one rank in a subprocess so its process group stays out of the test
@@ -15,9 +15,9 @@ pytestmark = pytest.mark.integration
 
 SCRIPT = TINY_MLP + """
     import time
-    from dstrain.rank.offload_grads_zero3 import bf16_zero3_offload_grads, direct_zero3_offload_grads
-    from dstrain.rank.offload_overlap_zero3 import overlap_zero3_offload_step
-    from dstrain.rank.offload_step_zero3 import chunk_zero3_offload_step
+    from dstrain.config.schema import SpeedupsConfig
+    from dstrain.speedups import apply, state_of
+    CHANGES = ("offload_chunks_zero3", "offload_grads_zero3", "offload_bf16_grads_zero3")
 
     device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
 
@@ -58,15 +58,16 @@ SCRIPT = TINY_MLP + """
         # chunks of 1,024: each sub-group in several, the last one short
         applied = None
         if variant != "deepspeed":  # gpu_rounding: the bf16 rounding off the Adam pass, on the GPU if any
-            applied = [chunk_zero3_offload_step(engine, 1024, host_rounding=variant != "gpu_rounding"),
-                       direct_zero3_offload_grads(engine), bf16_zero3_offload_grads(engine)]
+            settings = SpeedupsConfig(offload_chunk_elements=1024, offload_host_rounding=variant != "gpu_rounding")
+            done = apply(engine, settings, only=CHANGES + ("offload_host_rounding",)).applied
+            applied = [name in done for name in CHANGES]
         if variant == "overlap":
-            applied.append(overlap_zero3_offload_step(engine))
-            engine.optimizer._dstrain_overlap.adam_op = SlowAdam(engine.optimizer._dstrain_overlap.adam_op)
+            applied.append("offload_overlap" in apply(engine, settings, only=("offload_overlap",)).applied)
+            state_of(engine).overlap.adam_op = SlowAdam(state_of(engine).overlap.adam_op)
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)
         optimizer = engine.optimizer
-        overlap = getattr(optimizer, "_dstrain_overlap", None)
+        overlap = getattr(state_of(engine), "overlap", None)
         if overlap is not None:
             overlap.drain()  # the last step's update: read below
         masters = torch.cat([m.detach().flatten() for m in optimizer.fp32_partitioned_groups_flat]).tolist()
@@ -76,7 +77,7 @@ SCRIPT = TINY_MLP + """
                 # DeepSpeed's host copy of the gradient partitions: the direct copy leaves it unwritten
                 "host_buffer_written": bool(optimizer.grad_partitions_flat_buffer.abs().sum() > 0),
                 "pinned": all(m.is_pinned() for m in optimizer.fp32_partitioned_groups_flat),
-                "rounded_by_adam": getattr(optimizer, "_dstrain_round_op", None) is not None,
+                "rounded_by_adam": getattr(state_of(engine), "round_op", None) is not None,
                 "persistent": len(optimizer.persistent_parameters),
                 "overlapped_steps": overlap.steps if overlap else None, "waits": overlap.waits if overlap else None}
 
@@ -171,7 +172,7 @@ def test_zero3_offload_step_beside_the_next_forward_on_a_gpu_is_bit_identical_to
 GIL_SCRIPT = """
     import sys, threading, time
     from deepspeed.ops.op_builder import CPUAdamBuilder
-    from dstrain.rank.adam_nogil import load_adam_without_gil
+    from dstrain.speedups.cpu_adam_nogil import load_adam_without_gil
 
     sys.setswitchinterval(0.001)  # a thread that waits for the GIL gets it back within about 1 ms
     n = 1 << 25
@@ -199,7 +200,7 @@ GIL_SCRIPT = """
 
 
 def test_the_worker_threads_adam_kernel_leaves_the_gil_to_the_training_thread():
-    """adam_nogil.py: DeepSpeed's cpu_adam binding holds the GIL through an update, so Python on another
+    """cpu_adam_nogil.py: DeepSpeed's cpu_adam binding holds the GIL through an update, so Python on another
     thread stops for all of it; dstrain's build of the same kernel lets it run."""
     # The kernel on one OpenMP thread, so that a core is left for the training thread: on two cores an
     # update on both starves it whether or not the GIL is held (9 ms pauses in one CI run), and this

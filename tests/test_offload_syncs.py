@@ -1,4 +1,4 @@
-"""dstrain/rank/offload_syncs.py and offload_step.py: the ZeRO-1/2 CPU-offload optimizer without its
+"""dstrain/speedups/offload_syncs.py and offload_chunked_step.py: the ZeRO-1/2 CPU-offload optimizer without its
 per-parameter waits, with its step done in chunks, and with bf16 gradients sent to the host (bf16
 weights), trains exactly as DeepSpeed's own (real engines,
 DeepSpeedCPUAdam, one CPU rank, in a subprocess so its process group stays out of the test process).
@@ -14,8 +14,8 @@ from one_rank import TINY_MLP, run_one_rank
 pytestmark = pytest.mark.integration
 
 SCRIPT = TINY_MLP + """
-    from dstrain.rank.offload_step import bf16_offload_grads, chunk_offload_step
-    from dstrain.rank.offload_syncs import remove_offload_syncs
+    from dstrain.config.schema import SpeedupsConfig
+    from dstrain.speedups import apply, state_of
 
     device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
 
@@ -30,12 +30,16 @@ SCRIPT = TINY_MLP + """
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         applied = {}
         if "syncs" in patches:
-            applied["syncs"] = remove_offload_syncs(engine)
+            applied["syncs"] = "offload_syncs" in apply(engine, only=("offload_syncs",)).applied
         if "chunks" in patches:  # chunks of 1,024: the 6,337 weights in seven, the last one short
-            applied["chunks"] = chunk_offload_step(engine, chunk_elements=1024)
+            settings = SpeedupsConfig(offload_chunk_elements=1024)
+            applied["chunks"] = "offload_chunks" in apply(engine, settings, only=("offload_chunks",)).applied
         if "bf16" in patches:  # chunks of 4,096 in tiles of 1,024: two chunks, the last chunk and tile short
-            applied["chunks"] = chunk_offload_step(engine, chunk_elements=4096)
-            applied["bf16"] = bf16_offload_grads(engine, tile=1024)
+            settings = SpeedupsConfig(offload_chunk_elements=4096)
+            done = apply(engine, settings, only=("offload_chunks", "offload_bf16_grads")).applied
+            applied["chunks"], applied["bf16"] = "offload_chunks" in done, "offload_bf16_grads" in done
+            if applied["bf16"]:
+                state_of(engine).bf16_grads = (state_of(engine).bf16_grads[0], 1024)
         tracker = engine.optimizer.update_offload_overflow_tracker
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)

@@ -29,8 +29,8 @@ def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(tmp_path, preset
     sets = ("train.max_steps=4", "train.save_every=2", "train.log_every=1", *_nvme_sets(preset, run_dir))
     first = run_tiny(run_dir, preset, *sets)
     assert_ok(first)
-    # ZeRO-3 without offload trains with dstrain's step (rank/zero3_step.py), and rank 0 says so once
-    assert first.stdout.count("ZeRO-3: the step's release") == (1 if preset == "stage3" else 0)
+    # ZeRO-3 without offload trains with dstrain's step (speedups/zero3_step.py), and rank 0 says so once
+    assert first.stdout.count("ZeRO-3, dstrain's changes: the step's release") == (1 if preset == "stage3" else 0)
     # the offload presets' activation checkpointing is "auto": off for the tiny model in host RAM, said once
     auto_off = "activation checkpointing off: the run without it is estimated at"
     assert first.stdout.count(auto_off) == (1 if preset in ("stage3_offload", "stage3_nvme") else 0)
@@ -130,7 +130,7 @@ def test_save_checkpoints_false_trains_and_evaluates_but_writes_no_checkpoint(tm
 
 @pytest.mark.parametrize("preset", ["stage2_offload", "stage3_offload"])
 def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(tmp_path, preset):
-    """dstrain/rank/offload_step.py (ZeRO-1/2, with bf16 gradients on the host), offload_step_zero3.py,
+    """dstrain/speedups/offload_chunked_step.py (ZeRO-1/2, with bf16 gradients on the host), offload_chunked_step_zero3.py,
     offload_grads_zero3.py and offload_overlap_zero3.py against DeepSpeed's own step and gradient copies (DSTRAIN_OFFLOAD_CHUNKS=off,
     DSTRAIN_OFFLOAD_GRADS=off), two ranks each updating its partition in 4,096-element chunks (ZeRO-3:
     beside the next forward, and saving a checkpoint after the last step): the same losses and gradient

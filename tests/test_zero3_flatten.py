@@ -1,4 +1,4 @@
-"""dstrain/rank/zero3_flatten.py: ZeRO-3's parameter partitions flattened where they are, not through host
+"""dstrain/speedups/zero3_flatten.py: ZeRO-3's parameter partitions flattened where they are, not through host
 memory, give the engine the same flat buffer, the same views into it, and the same training (real
 engines, one rank in a subprocess, the CPU accelerator; on a GPU the same code runs on the device)."""
 
@@ -11,7 +11,7 @@ from one_rank import TINY_MLP, run_one_rank
 
 SCRIPT = TINY_MLP + """
     from deepspeed.runtime.zero import stage3
-    from dstrain.rank import zero3_flatten
+    from dstrain.speedups import building_engine, zero3_flatten
 
     calls = []
     flatten = zero3_flatten.flatten_on_device
@@ -26,7 +26,7 @@ SCRIPT = TINY_MLP + """
             model = tiny_mlp()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if ours:
-            with zero3_flatten.partitions_flattened_on_device():
+            with building_engine():  # as the ranks build their engines, every change on
                 engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         else:
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)

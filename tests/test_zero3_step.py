@@ -1,4 +1,4 @@
-"""dstrain/rank/zero3_step.py: ZeRO-3's step with the release, the norm and the persistent parameters'
+"""dstrain/speedups/zero3_step.py: ZeRO-3's step with the release, the norm and the persistent parameters'
 gather batched trains as DeepSpeed's own step does: the same weights to the bit without clipping, the
 same norms to rounding, the same skipped steps; and the gather after the step is one collective instead
 of one a parameter (real engines, one rank and two CPU ranks in subprocesses so their process groups
@@ -24,9 +24,9 @@ SCRIPT = TINY_MLP + """
     import torch.distributed
     from deepspeed.comm import comm as ds_comm
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    from dstrain.rank.zero3_grads import has_lean_grads, lean_zero3_grads
-    from dstrain.rank.zero3_hooks import unhook_persistent_modules
-    from dstrain.rank.zero3_step import has_lean_step, lean_zero3_step, release_all_parameters
+    from dstrain.speedups import apply, state_of
+    from dstrain.speedups.zero3_step import release_all_parameters
+    STEP = ("zero3_step", "zero3_gather")  # the batched step, its gather regrouped as the worker has it
 
     device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
     gathers = {"count": 0}
@@ -63,11 +63,13 @@ SCRIPT = TINY_MLP + """
         if precision == "bf16":
             config["bf16"] = {"enabled": True, "check_grad_overflow": overflow_at is not None}
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-        applied = lean_zero3_step(engine) if variant != "deepspeed" else None
+        applied = "zero3_step" in apply(engine, only=STEP).applied if variant != "deepspeed" else None
         if variant != "deepspeed":
-            lean_zero3_grads(engine)  # nothing without the lean step (offload)
-        lean = has_lean_step(engine.optimizer) and has_lean_grads(engine.optimizer)
-        unhooked = unhook_persistent_modules(engine) if variant == "unhooked" else 0  # 0 without the lean step
+            apply(engine, only=("zero3_grads",))  # nothing without the lean step (offload)
+        lean = {"zero3_step", "zero3_grads"} <= set(getattr(state_of(engine), "applied", []))
+        unhooked = 0  # 0 without the lean step
+        if variant == "unhooked" and "zero3_hooks" in apply(engine, only=("zero3_hooks",)).applied:
+            unhooked = state_of(engine).unhooked
         if offload:
             return {"applied": applied, "unhooked": unhooked}
         # count the all-gathers of the steps (the persistent parameters' gather after each update)
@@ -98,9 +100,7 @@ SCRIPT = TINY_MLP + """
             # load and gathers them again): the unhooked layer computes with the loaded weights
             engine.save_checkpoint(CHECKPOINTS, tag=key_of(precision, accum, clip, overflow_at, bucket))
             fresh, *_ = deepspeed.initialize(model=tiny_mlp(), config=config)
-            lean_zero3_step(fresh)
-            unhook_persistent_modules(fresh)
-            lean_zero3_grads(fresh)
+            apply(fresh, only=STEP + ("zero3_hooks", "zero3_grads"))
             fresh.load_checkpoint(CHECKPOINTS, tag=key_of(precision, accum, clip, overflow_at, bucket))
             loss = [loss, float(fresh(probe).float().pow(2).mean())]
         return {"applied": applied, "lean": lean, "norms": norms, "unhooked": unhooked, "reloaded_loss": loss,
@@ -143,7 +143,7 @@ CASES = (("bf16", 1, 0.0, None, None), ("bf16", 1, 0.05, None, None), ("fp32", 2
 
 
 def _assert_trains_as_deepspeed(out: dict, ranks: int) -> None:
-    # CPU offload keeps its own step (offload_step_zero3.py) and its hooks
+    # CPU offload keeps its own step (offload_chunked_step_zero3.py) and its hooks
     assert out.pop("offload") == {"applied": False, "unhooked": 0}
     for key, by_name in out.items():
         # without the module hooks on the last layer (its weight and bias persistent), the same training
@@ -218,13 +218,14 @@ def test_lean_zero3_step_trains_as_deepspeeds_step_on_two_ranks(accelerator):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fast_current_stream_is_torchs_current_stream():
-    """runtime.fast_current_stream: DeepSpeed's accelerator gives the stream torch would, outside a
+    """speedups/cuda_stream.py: DeepSpeed's accelerator gives the stream torch would, outside a
     stream context and inside one."""
     out = run_one_rank("""
         from deepspeed.accelerator import get_accelerator
-        from dstrain.rank.runtime import fast_current_stream
+        from dstrain.speedups import cuda_stream
         accelerator = get_accelerator()
-        applied = fast_current_stream()
+        applied = cuda_stream.applies() is None
+        cuda_stream.install()
         side = torch.cuda.Stream()
         outside = accelerator.current_stream() == torch.cuda.current_stream()
         with torch.cuda.stream(side):

@@ -7,6 +7,8 @@ Precedence, lowest to highest (a higher layer overrides a lower one key by key):
     3. --config FILE            (YAML or JSON)
     4. PL_DEEPSPEED_CONFIG_PATH (a DeepSpeed JSON; as in PyTorch Lightning it *replaces* the
                                  deepspeed section of the layers below it)
+       DSTRAIN_<KEY>            (the `speedups:` section's switches, e.g. DSTRAIN_ZERO3_STEP=off sets
+                                 speedups.zero3_step; read here, in `dstrain run`, never in a rank)
     5. --set KEY.PATH=VALUE     (repeatable; the last one wins)
 
 Some quantities can be set either as `train.*` or as a DeepSpeed key (batch sizes, precision,
@@ -25,8 +27,13 @@ from typing import Any
 from dstrain.config.files import parse_sets, read_deepspeed_json, read_mapping
 from dstrain.config.presets import normalize, preset_path
 from dstrain.errors import Problem, UserError
+from dstrain.switches import switch
 
 ENV_DEEPSPEED_CONFIG = "PL_DEEPSPEED_CONFIG_PATH"
+ENV_SPEEDUP_PREFIX = "DSTRAIN_"  # DSTRAIN_<KEY> sets speedups.<key> (keys of schema.SpeedupsConfig)
+# A number in these switches is their tuning number (as the variables have always taken it): the change
+# on, and the number in its companion key.
+ENV_SPEEDUP_NUMBERS = {"offload_chunks": "offload_chunk_elements", "offload_overlap": "offload_overlap_threads"}
 DEFAULT_RANK = 0
 PRESET_RANK = 1  # a preset's values: above dstrain's defaults, below everything the user gives
 
@@ -117,6 +124,7 @@ def collect_layers(preset: str | None, config_file: Path | None, sets: list[str]
             for p in err.problems:
                 p.fix = p.fix or f"point {ENV_DEEPSPEED_CONFIG} at a DeepSpeed JSON file, or unset it"
             problems += err.problems
+    layers += speedup_layers(env)
     if sets:
         try:
             set_data = parse_sets(sets)
@@ -129,6 +137,33 @@ def collect_layers(preset: str | None, config_file: Path | None, sets: list[str]
     if problems:
         raise UserError(problems)
     return layers, normalize(chosen) if chosen else None
+
+
+def speedup_layers(env: dict[str, str]) -> list[Layer]:
+    """One layer per DSTRAIN_<KEY> variable set in `env` for a key of the `speedups:` section: on/off
+    (1/0, true/false, yes/no) as a boolean, a number for the change's tuning number, anything else as
+    written (the schema then says what it takes)."""
+    from dstrain.config.schema import SpeedupsConfig
+
+    layers = []
+    for key in SpeedupsConfig.model_fields:
+        name = ENV_SPEEDUP_PREFIX + key.upper()
+        raw = env.get(name)
+        if raw is None or not raw.strip():
+            continue
+        value: Any = raw.strip()
+        on = switch(env, name)
+        data: dict[str, Any] = {}
+        if on is not None:
+            value = on
+        elif value.isdigit() and key in ENV_SPEEDUP_NUMBERS:
+            data[ENV_SPEEDUP_NUMBERS[key]] = int(value)
+            value = True
+        elif value.isdigit():
+            value = int(value)
+        data[key] = value
+        layers.append(Layer(Source(3, f"{name}={raw.strip()}"), {"speedups": data}))
+    return layers
 
 
 def merge(layers: list[Layer]) -> Merged:

@@ -207,7 +207,8 @@ def _pydantic_message(e: dict) -> str:
 def _pydantic_fix(e: dict, path: str) -> str:
     from dstrain.config import schema
     parts = path.split(".")
-    section = {"model": schema.ModelConfig, "data": schema.DataConfig, "train": schema.TrainConfig}
+    section = {"model": schema.ModelConfig, "data": schema.DataConfig, "train": schema.TrainConfig,
+               "speedups": schema.SpeedupsConfig}
     model = section.get(parts[0]) if len(parts) == 2 else (schema.RunConfig if len(parts) == 1 else None)
     if e["type"] == "extra_forbidden":
         if model is None:

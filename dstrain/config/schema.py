@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, NonNegativeFloat, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, NonNegativeFloat, field_validator,
+                      model_validator)
 
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # torch's Adam rejects betas outside [0, 1)
@@ -299,6 +300,58 @@ class TrainConfig(Section):
     checkpoints and exports but never reach the optimizer."""
 
 
+class SpeedupsConfig(Section):
+    """dstrain's changes to DeepSpeed's internals (dstrain/speedups/), each on unless switched off here;
+    a change that does not cover the run's set-up is skipped and rank 0 says why. The DSTRAIN_<KEY>
+    environment variables (e.g. DSTRAIN_ZERO3_STEP=off) set these keys as a layer above the config
+    files. Switching one off gives DeepSpeed's own code path, for measuring or for a suspected bug."""
+
+    zero3_step: bool = True
+    """ZeRO-3 without offload: the optimizer step's release, gradient norm and persistent gather batched."""
+    zero3_gather: bool = True
+    """ZeRO-3 on several ranks: the persistent parameters' gather after the step regrouped in one copy
+    (off: DeepSpeed's coalesced gather, a parameter at a time). Needs zero3_step."""
+    zero3_hooks: bool = True
+    """ZeRO-3: no module hooks on modules whose parameters all stay gathered. Needs zero3_step."""
+    zero3_grads: bool = True
+    """ZeRO-3: the backward's per-gradient bucket and partition copies made lean. Needs zero3_step."""
+    flatten_on_device: bool = True
+    """ZeRO-3: the parameter partitions flattened on the device at engine start, where it has room for a
+    second copy (off: through host memory, as DeepSpeed does)."""
+    cuda_stream: bool = True
+    """CUDA: DeepSpeed's accelerator looks the current stream up by device index."""
+    cpu_adam_nogil: bool = True
+    """CPU offload: build DeepSpeed's CPU Adam kernel with dstrain's GIL-free binding (JIT, once per
+    machine), which offload_overlap, offload_host_rounding and bf16 offload_grads need."""
+    offload_syncs: bool = True
+    """ZeRO-1/2 CPU offload: no per-parameter GPU waits in the backward (overflow tracker, gradient norm)."""
+    offload_chunks: bool = True
+    """CPU offload: the optimizer step in chunks of offload_chunk_elements (off: DeepSpeed's step)."""
+    offload_chunk_elements: int = Field(1 << 23, ge=1024)
+    """Elements per chunk of the chunked offload step (rounded down to a multiple of 1,024)."""
+    offload_grads: Literal["bf16", "fp32", "off"] = "bf16"
+    """CPU offload: how gradients reach the host. bf16: dstrain's copies, in bf16 where the weights are bf16
+    (needs offload_chunks); fp32: ZeRO-3's single copy in fp32, DeepSpeed's copies for ZeRO-1/2;
+    off (or false): DeepSpeed's copies."""
+    offload_host_rounding: bool = True
+    """ZeRO-3 with parameter offload: the new weights rounded to bf16 in the Adam pass (off: on the GPU)."""
+    offload_overlap: bool = True
+    """ZeRO-3 CPU offload: the optimizer step on a worker thread beside the next forward (off: before it)."""
+    offload_overlap_threads: int = Field(0, ge=0)
+    """CPU threads of the overlapped step's worker; 0: one fewer than the rank's."""
+    offload_gil_handoff: bool = True
+    """ZeRO-3 CPU offload with offload_overlap: Python's switch interval shortened so that the worker and
+    the training thread hand the GIL over quickly (off: Python's 5 ms)."""
+
+    @field_validator("offload_grads", mode="before")
+    @classmethod
+    def _off_as_false(cls, value):
+        """YAML reads `off` as false: the same setting."""
+        if isinstance(value, bool):
+            return "bf16" if value else "off"
+        return value.strip().lower() if isinstance(value, str) else value
+
+
 class RunConfig(Section):
     """One training run. Layering (lowest to highest): schema defaults < preset < --config file
     < PL_DEEPSPEED_CONFIG_PATH < --set; see `dstrain.config.layers`."""
@@ -311,6 +364,8 @@ class RunConfig(Section):
     """The data to train on."""
     train: TrainConfig = TrainConfig()
     """The training loop."""
+    speedups: SpeedupsConfig = SpeedupsConfig()
+    """dstrain's changes to DeepSpeed's internals, each on or off (dstrain/speedups/)."""
     deepspeed: dict[str, Any] = {}
     """The DeepSpeed config (as in a DeepSpeed JSON); batch, precision, lr and clipping keys are
     linked to their train.* counterparts and "auto" values are filled in from the run config."""

@@ -68,7 +68,7 @@ def _render_deepcompile(ds: dict[str, Any], config: RunConfig, merged: Merged, a
     the graph, so none of ZeRO-3's module hooks run; it took dstrain's stage3 from 0.49-0.50 to 0.63-0.74
     of torch on the 406M GPT and 0.75 to 0.86 on the 1.3B (finding 32), and dstrain turned it on in runs
     of 5,000+ passes, long enough to repay its compile (~100-140 s before the first step, every run).
-    dstrain's ZeRO-3 step and its blocks without hooks (rank/zero3_step.py, zero3_hooks.py; findings 36
+    dstrain's ZeRO-3 step and its blocks without hooks (speedups/zero3_step.py, zero3_unhook.py; findings 36
     and 37) took the eager preset past it: 0.54 / 0.63 of torch against DeepCompile's 0.56 on one host at
     406M, 0.96-0.97 against 0.86-0.87 at 913M and 1.3B, with no compile. Set it true to have it (bf16
     weights on CUDA, no offload, no activation checkpointing; several GPUs were not measured)."""

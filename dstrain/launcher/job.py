@@ -48,7 +48,7 @@ def launch(o: LaunchOptions) -> int:
     _warn_about_launcher(o, shape, console)
     frozen = _frozen_config(o)
     resolved = resolve(_preset(o, shape, accelerator, console), frozen or o.config_file, o.sets,
-                       world_size=shape.world, accelerator=accelerator)
+                       world_size=shape.world, accelerator=accelerator, strict=o.strict)
     if frozen:
         console.print(f"[yellow]note:[/] --resume without --config or --preset: the run directory's own config "
                       f"{frozen} is used (--set still overrides it)", soft_wrap=True)

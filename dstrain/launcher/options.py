@@ -29,3 +29,4 @@ class LaunchOptions:
     resume: str | None = None
     dry_run: bool = False
     verbose: bool = False
+    strict: bool | None = None  # --strict; None: DSTRAIN_STRICT in this command's environment decides

@@ -213,7 +213,8 @@ class Guard:
             self.state.write(self.run_dir)  # before loading: a crash while loading still skips this data
         if engine.load_universal_checkpoint():
             # The run started from a universal checkpoint (another world size); the ones it saved are not.
-            engine._config.load_universal_checkpoint = False
+            from dstrain.speedups.engine_flags import stop_loading_universal_checkpoints
+            stop_loading_universal_checkpoints(engine)
         load(engine, target.directory, target.tag, self.rank, self.world)
         self.losses, self.norms = [], []
         self.metrics.log_event("rollback", at_step, **record)

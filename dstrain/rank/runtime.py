@@ -33,9 +33,6 @@ def init_rank(collective_timeout_s: float | None = None):
     if get_accelerator().device_name() == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        from dstrain.switches import switched_off
-        if not switched_off(os.environ, "DSTRAIN_CUDA_STREAM"):
-            fast_current_stream()
         return rank, world, torch.device("cuda", local_rank)
     return rank, world, torch.device("cpu")
 
@@ -109,13 +106,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def initialize_engine(model, ds_config: dict):
+def initialize_engine(model, ds_config: dict, speedups=None):
     """deepspeed.initialize over the model's trainable parameters, as the worker and `dstrain eval` build
-    their engines: ZeRO-3's parameter partitions flattened on the device (rank/zero3_flatten.py)."""
+    their engines, with dstrain's changes that act while an engine is built (`speedups`: the config's
+    section; dstrain/speedups/)."""
     import deepspeed
 
-    from dstrain.rank.zero3_flatten import partitions_flattened_on_device
-    with partitions_flattened_on_device():
+    from dstrain.speedups import building_engine
+    with building_engine(speedups):
         engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                                model_parameters=[p for p in model.parameters() if p.requires_grad])
     return engine
@@ -207,24 +205,3 @@ def compile_zero3_leaf_modules(engine) -> int:
     for module in leaves:
         module.forward = torch.compile(module.forward)
     return len(leaves)
-
-
-def fast_current_stream() -> bool:
-    """Make DeepSpeed's CUDA accelerator look the current stream up by the current device's index;
-    False (nothing changed) off CUDA. DeepSpeed asks for the current stream several times per parameter
-    per step (ZeRO-3: about 1,200 a step on the 406M GPT, docs/benchmarks.md finding 40), and
-    torch.cuda.current_stream() without a device finds the device through torch.cuda.is_available()
-    and an environment lookup every time; with the index it gives the same stream."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cuda" or not torch.cuda.is_available():
-        return False
-    current_device, current_stream = torch.cuda.current_device, torch.cuda.current_stream
-
-    def current_stream_of(device_index=None):
-        return current_stream(current_device() if device_index is None else device_index)
-
-    accelerator.current_stream = current_stream_of
-    return True

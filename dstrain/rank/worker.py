@@ -210,9 +210,8 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     """(DeepSpeed engine, the model it wraps), with activation checkpointing as configured."""
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
-    from dstrain.rank.offload import describe, speed_up_offload
+    from dstrain import speedups
     from dstrain.rank.runtime import checkpointing_wanted, enable_activation_checkpointing, initialize_engine
-    from dstrain.rank.zero3 import describe_lean_step, speed_up_zero3
 
     model = build_model(config, ds_config, device)
     checkpointing, why = checkpointing_wanted(config, ds_config, model, device)
@@ -221,14 +220,12 @@ def _build_engine(config, ds_config: dict, device, rank: int):
               flush=True)
     if checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
-    engine = initialize_engine(model, ds_config)
+    engine = initialize_engine(model, ds_config, config.speedups)
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
-    offload_changes = describe(speed_up_offload(engine, os.environ))  # CPU offload only (rank/offload.py)
-    if offload_changes and rank == 0:
-        print(offload_changes, flush=True)
-    lean, unhooked, lean_grads = speed_up_zero3(engine, os.environ)  # ZeRO-3 without offload only
-    if lean and rank == 0:
-        print(describe_lean_step(unhooked, lean_grads), flush=True)
+    report = speedups.apply(engine, config.speedups)
+    if rank == 0:
+        for line in report.lines():
+            print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout, flush=True)
     return engine, model
 
 

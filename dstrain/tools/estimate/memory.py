@@ -115,7 +115,7 @@ HOST_BUFFER_FACTOR = 1.5
 BUILD_BYTES_PER_PARAM = 4
 """A model is built in fp32 on the host before DeepSpeed casts and moves it (PyTorch default dtype)."""
 
-# dstrain/rank/offload_step.py's DEFAULT_CHUNK_ELEMENTS (tools may not import the rank layer; a test
+# dstrain/speedups/offload_chunked_step.py's DEFAULT_CHUNK_ELEMENTS (tools may not import the rank side; a test
 # keeps the two equal): the offload steps' GPU staging buffers hold one chunk.
 OFFLOAD_STEP_CHUNK_ELEMENTS = 1 << 23
 
@@ -523,7 +523,7 @@ def _gpu_buffers(placement: Placement, work: Workload, w: int) -> dict[str, int]
         live = min(P, placement.stage3_max_live_parameters)
         buffers["stage3_live_params"] = w * max(0, live - L)
     if placement.offload_optimizer == "cpu":
-        # dstrain's offload steps (dstrain/rank/offload_step.py, offload_step_zero3.py) round to bf16 on
+        # dstrain's offload steps (dstrain/speedups/offload_chunked_step.py, offload_chunked_step_zero3.py) round to bf16 on
         # the GPU from one chunk of fp32 weights, 32 MiB at the default chunk (at most: a smaller
         # partition needs less); ZeRO-3 with the parameters on the host also stages the bf16 chunk.
         bytes_per_element = 6 if stage == 3 and placement.offload_param == "cpu" else 4

@@ -36,7 +36,8 @@ def gpt_shape_for(params: float) -> tuple[int, int, int]:
 
 
 def make_plan(config_file: Path | None, sets: list[str], params: float | None, gpus: int | None, nodes: int,
-              gpu_mem_gib: float | None, cpu_mem_gib: float | None, accelerator: str) -> Plan:
+              gpu_mem_gib: float | None, cpu_mem_gib: float | None, accelerator: str,
+              strict: bool | None = None) -> Plan:
     from dstrain.tools.estimate import memory as E
 
     notes: list[str] = []
@@ -65,7 +66,8 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
                       "train.micro_batch_size=1"] + extra_sets
     names = [n for n in PRESET_ORDER if n in available()]
     resolved: dict[str, ResolvedConfig] = {n: resolve(n, config_file, extra_sets, world_size=world,
-                                                      accelerator=hw.accelerator) for n in names}
+                                                      accelerator=hw.accelerator, strict=strict)
+                                          for n in names}
     base = resolved[names[0]].config
     if params is not None:
         total = int(params)

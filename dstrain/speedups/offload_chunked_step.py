@@ -1,27 +1,14 @@
-"""ZeRO-1/2 with the optimizer on the CPU: the optimizer step in cache-sized chunks (DeepSpeed 0.19's
-DeepSpeedZeroOptimizer with DeepSpeedCPUAdam).
+"""ZeRO-1/2 with the optimizer on the CPU: the optimizer step in cache-sized chunks, and the gradients sent
+to the host in bf16 (registry: offload_chunks, offload_bf16_grads).
 
-DeepSpeed's offload step makes three passes over the host's fp32 partition, one after another: the
-unscale/clip multiply of the gradients, the Adam update, and the fp32 -> bf16 rounding into a pinned
-buffer; only then does the whole bf16 partition go to the GPU. Timed alone on one H100 host for 406M
-elements (benchmarks/offload_step_parts.py): 25 + 84 + 30 ms, then 15 ms of copy with the GPU idle.
-Here the work goes one chunk at a time: multiply and Adam while the chunk is in cache, then the
-chunk's fp32 weights go to the GPU (pinned, asynchronous) and the GPU rounds them to bf16, so the host
-never makes the rounding pass and the copies run beside the next chunks' updates. On a CPU
-accelerator (no copy to make) the rounding stays on the host, chunk by chunk.
-
-With bf16 weights the gradients can reach the host in bf16 too (`bf16_offload_grads`): DeepSpeed widens
-each one to fp32 on the GPU and sends 4 bytes a parameter, which at the 913M GPT took the backward from
-60 to 112 ms on one H100 (the copies outlast the compute); sent as they are, they take half the bus,
-into the pinned bf16 buffer DeepSpeed keeps for the weights (which the step above leaves unused on a GPU,
-and on the CPU overwrites only after each chunk's update has read its gradients), and dstrain's build of
-DeepSpeed's Adam kernel widens them tile by tile in cache (dstrain/rank/cpu_adam_nogil.cpp).
-
-The values are bit-identical to DeepSpeed's step: the same unscale factor, the same Adam kernel with
-chunks that start on its SIMD blocks (so every element takes the same vector or scalar path as in one
-call), the same round-to-nearest-even to bf16 on either device. Everything around the update
-(overflow handling, the gradient norm, the all-gather of the updated partitions) is DeepSpeed's own
-code path, called as its step calls it.
+DeepSpeed's offload step makes three host passes over the fp32 partition (unscale, Adam, rounding to
+bf16) before the whole bf16 partition goes to the GPU. Here the work goes a chunk at a time: unscale and
+Adam while the chunk is in cache, then its fp32 weights go to the GPU (pinned, asynchronous), which
+rounds them, so the copies run beside the next chunks' updates (on a CPU accelerator the rounding stays
+on the host, chunk by chunk). With bf16 weights the gradients reach the host as they are, into
+DeepSpeed's pinned bf16 buffer, and dstrain's Adam op widens them in cache (cpu_adam_nogil.cpp).
+Bit-identical to DeepSpeed's step: the same unscale factor, the same Adam kernel on chunks that start on
+its SIMD blocks, the same rounding (tests/test_offload_syncs.py). The rest is DeepSpeed's code path.
 """
 
 from __future__ import annotations
@@ -36,13 +23,13 @@ SIMD_BLOCK = 1024  # a multiple of DeepSpeed's widest vector step (16 floats x 8
 BF16_GRAD_TILE = 1 << 15
 
 
-def chunk_offload_step(engine, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> bool:
-    """Give `engine`'s ZeRO-1/2 CPU-offload optimizer the chunked step; False (nothing changed) for any
-    other optimizer or set-up this step does not cover (ZenFlow, Muon, torch autocast's grad scaler, CPU
-    Adagrad or Lion, fp16 master weights), or a DeepSpeed without the pieces it calls."""
+def applies(engine) -> str | None:
+    """Why the chunked step does not cover `engine` (None: it does): it needs a ZeRO-1/2 CPU-offload
+    optimizer with DeepSpeedCPUAdam and fp32 masters, without ZenFlow or torch autocast's grad scaler,
+    on a DeepSpeed with the pieces it calls."""
     optimizer = getattr(engine, "optimizer", None)
-    if not getattr(optimizer, "cpu_offload", False) or chunk_elements <= 0:
-        return False
+    if not getattr(optimizer, "cpu_offload", False):
+        return "no ZeRO-1/2 CPU offload"
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     needed = ("single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
@@ -50,54 +37,67 @@ def chunk_offload_step(engine, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> 
               "_wait_for_offload_copies", "scaled_global_norm", "_update_scale", "reset_cpu_buffers",
               "_release_preflattened_grad_buffers", "_lazy_init_hp_params_optimizer_state",
               "_update_model_bit16_weights", "nccl_start_alignment_factor", "allgather_bucket_size")
-    if (type(optimizer.optimizer) is not DeepSpeedCPUAdam or getattr(optimizer, "zenflow", False)
-            or getattr(optimizer, "torch_autocast_gradscaler", None) is not None
-            or not all(hasattr(optimizer, name) for name in needed)
-            or any(p.dtype.is_floating_point and p.element_size() != 4 for p in optimizer.single_partition_of_fp32_groups)):
-        return False
-    optimizer._dstrain_chunk = max(SIMD_BLOCK, chunk_elements // SIMD_BLOCK * SIMD_BLOCK)
-    optimizer._dstrain_copies_done = None
-    optimizer._dstrain_bf16_grads = None  # (op, tile) once bf16_offload_grads applies
-    optimizer._dstrain_staging = None  # one chunk of fp32 weights on the accelerator, made on first use
+    missing = [name for name in needed if not hasattr(optimizer, name)]
+    if missing:
+        return f"this DeepSpeed's ZeRO-1/2 optimizer lacks {', '.join(missing)}"
+    if type(optimizer.optimizer) is not DeepSpeedCPUAdam:
+        return f"the CPU optimizer is {type(optimizer.optimizer).__name__}, not DeepSpeedCPUAdam"
+    if getattr(optimizer, "zenflow", False):
+        return "ZenFlow"
+    if getattr(optimizer, "torch_autocast_gradscaler", None) is not None:
+        return "torch autocast's grad scaler"
+    if any(p.dtype.is_floating_point and p.element_size() != 4 for p in optimizer.single_partition_of_fp32_groups):
+        return "the master weights are not fp32"
+    return None
+
+
+def install(engine, state, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+    """Give `engine`'s ZeRO-1/2 CPU-offload optimizer the chunked step."""
+    optimizer = engine.optimizer
+    state.chunk = max(SIMD_BLOCK, chunk_elements // SIMD_BLOCK * SIMD_BLOCK)
+    state.copies_done = None
+    state.bf16_grads = None  # (op, tile) once the bf16 gradients apply
+    state.staging = None  # one chunk of fp32 weights on the accelerator, made on first use
     optimizer.step = types.MethodType(_chunked_step, optimizer)
-    return True
 
 
-def bf16_offload_grads(engine, tile: int = BF16_GRAD_TILE) -> bool:
-    """Send `engine`'s gradients to the host in bf16 and update from them (after chunk_offload_step
-    applied: its step is then the only reader of the host gradients); False (nothing changed) without
-    the chunked step, for weights that are not bf16, fp32 gradient accumulation (DeepSpeed's compact
-    partition buffer), low-precision master weights, or where dstrain's Adam op cannot be built.
-    DeepSpeed's fp32 gradient partition is no longer written: `safe_get_full_grad` between backward and
-    step would read stale values there (dstrain's loop never calls it; DSTRAIN_OFFLOAD_GRADS=off)."""
+def bf16_grads_apply(engine) -> str | None:
+    """Why `engine`'s gradients cannot reach the host in bf16 (None: they can): they need bf16 weights,
+    no fp32 gradient accumulation (DeepSpeed's compact partition buffer) and no low-precision master
+    weights. Once installed, DeepSpeed's fp32 gradient partition is no longer written: `safe_get_full_grad`
+    between backward and step would read stale values there (dstrain's loop never calls it)."""
     import torch
-
-    from dstrain.rank.adam_nogil import adam_without_gil
 
     optimizer = getattr(engine, "optimizer", None)
     needed = ("bit16_groups", "single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
               "grad_position", "get_param_gradient_attribute", "_record_gradient_stream", "_record_offload_copy",
               "clear_grad_attribute", "_pending_offload_events", "_offload_gradient_safety_enabled",
               "async_inplace_copy_grad_to_fp32_buffer_from_gpu", "_use_compact_grad_partition_buffer")
-    if (getattr(optimizer, "_dstrain_chunk", None) is None or tile <= 0 or tile % SIMD_BLOCK
-            or not all(hasattr(optimizer, name) for name in needed)
-            or getattr(optimizer, "low_precision_master_weights_and_grads", False)):
-        return False
+    if not getattr(optimizer, "cpu_offload", False):
+        return "no ZeRO-1/2 CPU offload"
+    missing = [name for name in needed if not hasattr(optimizer, name)]
+    if missing:
+        return f"this DeepSpeed's ZeRO-1/2 optimizer lacks {', '.join(missing)}"
+    if getattr(optimizer, "low_precision_master_weights_and_grads", False):
+        return "low-precision master weights"
     groups = len(optimizer.bit16_groups)
     buffers = optimizer.param_buffer_of_bit16_for_cpu_offload_groups
     if len(buffers) != groups or any(optimizer._use_compact_grad_partition_buffer(i) for i in range(groups)):
-        return False
+        return "fp32 gradient accumulation (DeepSpeed's compact gradient buffer)"
     for i in range(groups):
         master = optimizer.single_partition_of_fp32_groups[i]
         if (buffers[i].dtype != torch.bfloat16 or buffers[i].numel() != master.numel()
                 or any(p.dtype != torch.bfloat16 for p in optimizer.bit16_groups[i])):
-            return False
-    op = adam_without_gil(optimizer.optimizer)
-    if op is None:
-        return False
-    optimizer._dstrain_bf16_grads = (op, tile)
+            return "the weights are not bf16"
+    return None
+
+
+def install_bf16_grads(engine, state, tile: int = BF16_GRAD_TILE) -> None:
+    """Send `engine`'s gradients to the host in bf16 and update from them (the chunked step, then the only
+    reader of the host gradients, and dstrain's Adam op in state.adam_op are installed already)."""
+    optimizer = engine.optimizer
+    state.bf16_grads = (state.adam_op, tile)
     optimizer.async_inplace_copy_grad_to_fp32_buffer_from_gpu = types.MethodType(_copy_grad_in_bf16, optimizer)
-    return True
 
 
 def _copy_grad_in_bf16(self, param):
@@ -112,7 +112,7 @@ def _copy_grad_in_bf16(self, param):
     grad_accum = self.get_param_gradient_attribute(param)
     assert grad_accum is not None
     source = grad_accum.view(-1).narrow(0, source_offset, num_elements)
-    assert source.dtype == torch.bfloat16, "bf16_offload_grads applies to bf16 gradients only"
+    assert source.dtype == torch.bfloat16, "bf16 gradients only"
     stream = get_accelerator().current_stream()
     if self._offload_gradient_safety_enabled:  # successive backwards may write the buffer from other streams
         for producer, event in self._pending_offload_events.items():
@@ -179,8 +179,8 @@ def _chunked_step(self, closure=None):
     if scaled_global_grad_norm is not None:
         self._global_grad_norm = scaled_global_grad_norm / prev_scale
     factor = unscale_factor(self, scaled_global_grad_norm)
-    if self._dstrain_copies_done is not None:  # last step's copies must have read the weights Adam writes
-        self._dstrain_copies_done.synchronize()
+    if self.dstrain_speedups.copies_done is not None:  # last step's copies must have read the weights Adam writes
+        self.dstrain_speedups.copies_done.synchronize()
 
     for i in range(len(self.bit16_groups)):
         self.timers(zero.OPTIMIZER_STEP_TIMER).start()
@@ -190,7 +190,7 @@ def _chunked_step(self, closure=None):
         self._release_preflattened_grad_buffers(i)
         self.averaged_gradients[i] = None
         self.timers(zero.OPTIMIZER_STEP_TIMER).stop()
-    self._dstrain_copies_done = record_copies(self.parallel_partitioned_bit16_groups[0][0])
+    self.dstrain_speedups.copies_done = record_copies(self.parallel_partitioned_bit16_groups[0][0])
     self.reset_cpu_buffers()
 
     self.timers(zero.OPTIMIZER_ALLGATHER_TIMER).start()
@@ -215,7 +215,7 @@ def _update_partition(self, group_index: int, partition_id: int, factor: float) 
     master = self.single_partition_of_fp32_groups[group_index]  # the CPU Adam's parameter
     device_bit16 = self.parallel_partitioned_bit16_groups[group_index][partition_id]
     round_on_device = device_bit16.device.type != "cpu" and master.is_pinned()  # pageable: DeepSpeed's way
-    bf16_grads = self._dstrain_bf16_grads
+    bf16_grads = self.dstrain_speedups.bf16_grads
     if bf16_grads is not None:  # read before the rounding below overwrites each chunk of the buffer
         op, tile = bf16_grads
         update = adam_chunk_update(adam, group, master, factor, op=op,
@@ -223,15 +223,16 @@ def _update_partition(self, group_index: int, partition_id: int, factor: float) 
     else:
         update = adam_chunk_update(adam, group, master, factor)
     weights = master.data
-    chunk = self._dstrain_chunk
-    if round_on_device and (self._dstrain_staging is None or self._dstrain_staging.device != device_bit16.device):
-        self._dstrain_staging = torch.empty(chunk, dtype=weights.dtype, device=device_bit16.device)
+    state = self.dstrain_speedups
+    chunk = state.chunk
+    if round_on_device and (state.staging is None or state.staging.device != device_bit16.device):
+        state.staging = torch.empty(chunk, dtype=weights.dtype, device=device_bit16.device)
     for start in range(0, weights.numel(), chunk):
         end = min(start + chunk, weights.numel())
         if update is not None:
             update(start, end)
         if round_on_device:  # stream order keeps the staging chunk until the rounding has read it
-            staging = self._dstrain_staging[:end - start]
+            staging = state.staging[:end - start]
             staging.copy_(weights[start:end], non_blocking=True)
             device_bit16.data[start:end].copy_(staging)
         else:

@@ -1,15 +1,11 @@
-"""ZeRO-3 without offload: DeepSpeed's per-gradient host work in the backward made lean (DeepSpeed 0.19's
-DeepSpeedZeroOptimizer_Stage3).
+"""ZeRO-3 without offload: DeepSpeed's per-gradient host work in the backward made lean (registry:
+zero3_grads; needs zero3_step).
 
-Each parameter's gradient passes through two per-parameter Python paths in DeepSpeed's backward: the
-hook copies it into the contiguous reduce bucket (through four layers of wrappers, three lookups of the
-current stream, a dtype and group lookup per call), and after each bucket's reduce-scatter
-`partition_grads` copies each reduced partition into the parameter's gradient slot, asking the
-process group for this rank's index once per parameter. On a small GPT on one GPU these, with the
-step's, were most of the host's time in a host-bound step (docs/benchmarks.md, finding 40). Here the
-bucket copy is the same narrow, copy and stream bookkeeping with the invariants checked once, and the
-partition copies are one multi-tensor copy (or add, when accumulating) per bucket: the same kernels'
-arithmetic, so the weights are DeepSpeed's to the bit (tests/test_zero3_step.py).
+The gradient hook's copy into the reduce bucket is the same narrow, copy and stream bookkeeping with its
+invariants checked once instead of per call; the copies of the reduced partitions into the gradient
+slots are one multi-tensor copy (or add) per bucket; and the backward's end makes the current stream
+wait for the reduce stream on the device instead of the host. The same kernels' arithmetic: the weights
+are DeepSpeed's to the bit (tests/test_zero3_step.py).
 """
 
 from __future__ import annotations
@@ -19,50 +15,57 @@ import types
 import torch
 
 
-def lean_zero3_grads(engine) -> bool:
-    """Give `engine`'s ZeRO-3 optimizer the lean bucket copy and batched partition copies; False (nothing
-    changed) unless dstrain's ZeRO-3 step is installed (zero3_step.py: no offload, no Muon, ZenFlow, model
-    parallelism or hpZ) and the set-up is the one these cover: contiguous gradients, one communication
-    dtype without torch autocast, no AutoEP folding, every parameter partitioned over one group."""
+def applies(engine) -> str | None:
+    """Why the lean bucket copy and batched partition copies do not cover `engine` (None: they do): they
+    need contiguous gradients, one communication dtype without torch autocast, no AutoEP folding, and a
+    DeepSpeed with the pieces they call (dstrain's ZeRO-3 step, their prerequisite, covers the rest)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from dstrain.rank.zero3_step import has_lean_step
-
     optimizer = getattr(engine, "optimizer", None)
-    if type(optimizer) is not DeepSpeedZeroOptimizer_Stage3 or not has_lean_step(optimizer):
-        return False
+    if type(optimizer) is not DeepSpeedZeroOptimizer_Stage3:
+        return "not ZeRO-3"
     needed = ("ipg_buckets", "reduce_and_partition_stream", "reduce_bucket_size", "contiguous_gradients",
               "communication_data_type", "micro_step_id", "gradient_accumulation_dtype",
               "_offload_boundary_param_ids", "_get_param_partition_group",
               "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads",
               "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "params_already_reduced",
               "averaged_gradients", "_epilogue_ran_this_backward")
-    if not all(hasattr(optimizer, name) for name in needed) or not optimizer.contiguous_gradients:
-        return False
+    missing = [name for name in needed if not hasattr(optimizer, name)]
+    if missing:
+        return f"this DeepSpeed's stage-3 optimizer lacks {', '.join(missing)}"
+    if not optimizer.contiguous_gradients:
+        return "contiguous_gradients is off"
     try:
         from deepspeed.runtime.torch_autocast import is_autocast_initialized
     except ImportError:
-        return False
-    if (is_autocast_initialized() or getattr(optimizer, "autoep_folding_tp_group", None) is not None
-            or list(optimizer.ipg_buckets) != [optimizer.communication_data_type]):
-        return False
-    params = optimizer._dstrain_params
-    group = optimizer._get_param_partition_group(params[0]) if params else None
-    if group is None or any(optimizer._get_param_partition_group(p) is not group for p in params):
-        return False
+        return "this DeepSpeed has no torch_autocast module"
+    if is_autocast_initialized():
+        return "torch autocast"
+    if getattr(optimizer, "autoep_folding_tp_group", None) is not None:
+        return "AutoEP folding"
+    if list(optimizer.ipg_buckets) != [optimizer.communication_data_type]:
+        return "several communication dtypes"
+    return None
+
+
+def install(engine, state) -> str | None:
+    """Give `engine`'s ZeRO-3 optimizer the lean bucket copy and batched partition copies; why not (nothing
+    changed) where the parameters are not all partitioned over one group."""
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
-    optimizer._dstrain_accelerator = get_accelerator()  # looked up once: the hooks below run per gradient
-    optimizer._dstrain_partition_group = group
-    optimizer._dstrain_partition_rank = dist.get_rank(group=group)
+
+    optimizer = engine.optimizer
+    params = state.params
+    group = optimizer._get_param_partition_group(params[0]) if params else None
+    if group is None or any(optimizer._get_param_partition_group(p) is not group for p in params):
+        return "the parameters are not all partitioned over one group"
+    state.accelerator = get_accelerator()  # looked up once: the hooks below run per gradient
+    state.partition_group = group
+    state.partition_rank = dist.get_rank(group=group)
     optimizer.reduce_independent_p_g_buckets_and_remove_grads = types.MethodType(_add_to_bucket, optimizer)
     optimizer.partition_grads = types.MethodType(_partition_grads, optimizer)
     optimizer.independent_gradient_partition_epilogue = types.MethodType(_epilogue, optimizer)
-    return True
-
-
-def has_lean_grads(optimizer) -> bool:
-    return getattr(getattr(optimizer, "partition_grads", None), "__func__", None) is _partition_grads
+    return None
 
 
 def _add_to_bucket(self, param) -> None:
@@ -76,7 +79,7 @@ def _add_to_bucket(self, param) -> None:
         return
     grad = param.grad
     numel = grad.numel()
-    accelerator = self._dstrain_accelerator
+    accelerator = self.dstrain_speedups.accelerator
     stream = self.reduce_and_partition_stream
     if not accelerator.resolves_data_dependency():
         stream.wait_stream(accelerator.current_stream())
@@ -90,7 +93,7 @@ def _add_to_bucket(self, param) -> None:
                 grad.record_stream(stream)  # read on the reduce stream: not reused before it is done
             grad.data = flat
     bucket.params.append(param)
-    bucket.process_group = self._dstrain_partition_group
+    bucket.process_group = self.dstrain_speedups.partition_group
     bucket.elements += numel
 
 
@@ -98,7 +101,7 @@ def _partition_grads(self, params_to_release: list, grad_partitions: list) -> li
     """DeepSpeed's partition_grads without offload: this rank's reduced partitions copied into (on the
     first micro-step) or added to the parameters' gradient slots, one multi-tensor operation a bucket."""
     slots = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
-    rank = self._dstrain_partition_rank
+    rank = self.dstrain_speedups.partition_rank
     buffers, sources = [], []
     for param, grad_partition in zip(params_to_release, grad_partitions):
         if param.partition_numel() * rank >= param.ds_numel:  # this rank's partition is all padding
@@ -113,7 +116,7 @@ def _partition_grads(self, params_to_release: list, grad_partitions: list) -> li
         else:
             torch._foreach_add_(buffers, [g.to(self.gradient_accumulation_dtype).view(b.shape)
                                           for g, b in zip(sources, buffers)])
-    accelerator = self._dstrain_accelerator
+    accelerator = self.dstrain_speedups.accelerator
     current = None if accelerator.is_synchronized_device() else accelerator.current_stream()
     for param in params_to_release:
         if current is not None and param.grad is not None:
@@ -129,7 +132,7 @@ def _epilogue(self) -> None:
     the whole backward, the current stream waits for it on the device: everything that reads the
     partitions next (the step's norm and update, the next backward's additions) runs on it."""
     self._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads(self.communication_data_type)
-    accelerator = self._dstrain_accelerator
+    accelerator = self.dstrain_speedups.accelerator
     if not accelerator.resolves_data_dependency():
         accelerator.current_stream().wait_stream(self.reduce_and_partition_stream)
     for param_id in self.params_already_reduced:

@@ -1,13 +1,10 @@
-"""ZeRO-1/2 with the optimizer on the CPU: two per-parameter waits for the GPU that dstrain takes out of
-the engine it built (DeepSpeed 0.19's DeepSpeedZeroOptimizer).
+"""ZeRO-1/2 with the optimizer on the CPU: two per-parameter waits for the GPU taken out of the backward
+(registry: offload_syncs).
 
-In its offload path DeepSpeed's gradient hook tests each gradient for inf/NaN and reads the answer on
-the host, one synchronisation per parameter inside the backward, even where nothing reads the answer
-(the overflow check is off: bf16 as dstrain renders it, or fp32); and it sums the gradient norm on the
-host from one `.item()` per parameter. For the 406M GPT that is ~400 waits a step, which keep the host
-from running ahead of the GPU (torch.profiler, one H100: docs/benchmarks.md). The replacements compute
-the same values: no tracker where it is never read, the norm from one reduction on the device.
-The optimizer step itself, done in chunks, is dstrain/rank/offload_step.py.
+DeepSpeed's offload gradient hook checks each gradient for inf/NaN on the host even where nothing reads
+the answer (the overflow check is off), and sums the gradient norm from one `.item()` per parameter;
+each is a host-GPU synchronisation that keeps the host from running ahead. The replacements compute the
+same values: no tracker where it is never read, the norm from one reduction on the device.
 """
 
 from __future__ import annotations
@@ -16,18 +13,23 @@ import math
 import types
 
 
-def remove_offload_syncs(engine) -> bool:
-    """Patch `engine`'s ZeRO-1/2 CPU-offload optimizer in place; False (nothing changed) for any other
-    optimizer, or a DeepSpeed whose offload path no longer has these methods."""
+def applies(engine) -> str | None:
+    """Why `engine` is not a ZeRO-1/2 CPU-offload optimizer with these methods (None: it is)."""
     optimizer = getattr(engine, "optimizer", None)
+    if not getattr(optimizer, "cpu_offload", False):
+        return "no ZeRO-1/2 CPU offload"
     needed = ("update_offload_overflow_tracker", "complete_grad_norm_calculation_for_cpu_offload",
               "norm_for_param_grads", "check_grad_overflow", "get_param_id")
-    if not getattr(optimizer, "cpu_offload", False) or not all(hasattr(optimizer, name) for name in needed):
-        return False
+    missing = [name for name in needed if not hasattr(optimizer, name)]
+    return f"this DeepSpeed's ZeRO-1/2 optimizer lacks {', '.join(missing)}" if missing else None
+
+
+def install(engine, state) -> None:
+    """Patch `engine`'s ZeRO-1/2 CPU-offload optimizer in place."""
+    optimizer = engine.optimizer
     if not optimizer.check_grad_overflow:  # local_overflow is read only by the overflow check
         optimizer.update_offload_overflow_tracker = _no_overflow_tracking
     optimizer.complete_grad_norm_calculation_for_cpu_offload = types.MethodType(_grad_norm_on_device, optimizer)
-    return True
 
 
 def _no_overflow_tracking(_grad) -> None:

@@ -1,19 +1,12 @@
-"""ZeRO-3 with the optimizer on the accelerator: DeepSpeed's step with its per-parameter host work
-batched (DeepSpeed 0.19's DeepSpeedZeroOptimizer_Stage3).
+"""ZeRO-3 without offload: DeepSpeed's stage-3 step with its per-parameter host work batched (registry:
+zero3_step, zero3_gather).
 
-Around its update, DeepSpeed's stage-3 step walks the parameters one at a time in Python three times:
-it releases every parameter (each through its own torch.compiler-disabled partition call, with
-logging and checks), it takes the gradients' global norm as a cast, a norm kernel and a stack entry
-per gradient, and after the update it gathers the persistent parameters (the blocks dstrain keeps
-whole, finding 30) with one collective per parameter. Here the release frees each gathered
-parameter's data directly, the norm is one multi-tensor norm per sub-group, and the gather is one
-all-gather whose result one copy regroups by parameter (gather_into_views). Everything else (the overflow
-check and loss-scale update, the unscale and clip, the Adam update, the bf16 copy) is DeepSpeed's
-own code, in its order.
-
-The norm (in fp64, as DeepSpeed's) is summed in another order, so it can differ in its last bits, and
-so can the clip factor made from it; without clipping the weights after each step are DeepSpeed's to
-the bit (tests/test_zero3_step.py).
+Around its update DeepSpeed's step walks the parameters one at a time in Python: it releases each, takes
+the gradient norm a gradient at a time, and gathers the persistent parameters one collective each. Here
+the release frees each parameter's data directly, the norm is one multi-tensor norm per sub-group, and
+the gather is one all-gather regrouped by one copy. The rest is DeepSpeed's own code, in its order.
+The norm is summed in another order (its last bits may differ, and so a clip factor); without clipping
+the weights are DeepSpeed's to the bit (tests/test_zero3_step.py).
 """
 
 from __future__ import annotations
@@ -21,20 +14,22 @@ from __future__ import annotations
 import types
 
 
-def lean_zero3_step(engine) -> bool:
-    """Give `engine`'s ZeRO-3 optimizer the batched release, norm and gather; False (nothing changed)
-    for a set-up it does not cover: CPU or NVMe offload, Muon, ZenFlow, torch autocast's grad scaler,
-    model or expert parallelism, hpZ's secondary partitions, quantized weights, DeepCompile (whose
-    graph gathers and releases the parameters itself), or a DeepSpeed without the pieces it calls."""
+def applies(engine) -> str | None:
+    """Why `engine` is not a set-up the batched step covers (None: it is): ZeRO-3 on the accelerator without
+    CPU or NVMe offload, Muon, ZenFlow, torch autocast's grad scaler, model or expert parallelism, hpZ's
+    secondary partitions, quantized weights or DeepCompile (whose graph gathers and releases the
+    parameters itself), on a DeepSpeed with the pieces it calls."""
     import torch
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
     from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     optimizer = getattr(engine, "optimizer", None)
+    if type(optimizer) is not DeepSpeedZeroOptimizer_Stage3:
+        return "not ZeRO-3"
     is_deepcompile = getattr(engine, "is_deepcompile_enabled", None)
-    if type(optimizer) is not DeepSpeedZeroOptimizer_Stage3 or is_deepcompile is None or is_deepcompile():
-        return False
+    if is_deepcompile is None or is_deepcompile():
+        return "DeepCompile gathers and releases the parameters itself"
     needed = ("_pre_step", "_overflow_check_and_loss_scale_update", "_apply_muon_to_accumulated_grads",
               "_loss_scale_update_and_overflow_cleanup",
               "_prepare_sub_group", "unscale_and_clip_grads", "_optimizer_step",
@@ -42,46 +37,58 @@ def lean_zero3_step(engine) -> bool:
               "_get_param_partition_group", "_autoep_expert_parallel_group", "averaged_gradients", "fp16_groups",
               "persistent_parameters", "parameter_offload", "model_parallel_group", "timers",
               "n_caching_allocator_flushes")
-    if (not all(hasattr(optimizer, name) for name in needed) or not hasattr(torch, "_foreach_norm")
-            or getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "offload_param", False)
-            or getattr(optimizer, "swap_optimizer", False) or getattr(optimizer, "zenflow", False)
-            or getattr(optimizer, "use_muon", False) or optimizer.model_parallel_group is not None
-            or getattr(optimizer, "zero_hpz_partition_size", 1) > 1
-            or getattr(optimizer, "torch_autocast_gradscaler", None) is not None):
-        return False
+    missing = [name for name in needed if not hasattr(optimizer, name)]
+    if missing or not hasattr(torch, "_foreach_norm"):
+        return f"this DeepSpeed's stage-3 optimizer lacks {', '.join(missing) or 'torch._foreach_norm'}"
+    if getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "offload_param", False):
+        return "CPU offload (the offload_* changes cover it)"
+    for flag, what in (("swap_optimizer", "NVMe swapping"), ("zenflow", "ZenFlow"), ("use_muon", "Muon")):
+        if getattr(optimizer, flag, False):
+            return what
+    if optimizer.model_parallel_group is not None:
+        return "model parallelism"
+    if getattr(optimizer, "zero_hpz_partition_size", 1) > 1:
+        return "hpZ's secondary partitions"
+    if getattr(optimizer, "torch_autocast_gradscaler", None) is not None:
+        return "torch autocast's grad scaler"
     coordinator = optimizer.parameter_offload.get_param_coordinator()
     if not hasattr(coordinator, "_PartitionedParameterCoordinator__inflight_param_registry"):
-        return False
-    params = list(iter_params(optimizer.parameter_offload.module, recurse=True))  # external ones too, as DeepSpeed's
-    for param in params:
+        return "this DeepSpeed's parameter coordinator lacks its in-flight registry"
+    for param in iter_params(optimizer.parameter_offload.module, recurse=True):
         partition = getattr(param, "ds_tensor", None)
-        if (partition is None or getattr(param, "ds_secondary_tensor", None) is not None
-                or hasattr(partition, "ds_quant_scale")
-                or getattr(partition, "final_location", None) == OffloadDeviceEnum.nvme):
-            return False
+        if partition is None or getattr(param, "ds_secondary_tensor", None) is not None:
+            return "a parameter without its partition, or with a secondary one"
+        if hasattr(partition, "ds_quant_scale"):
+            return "quantized weights"
+        if getattr(partition, "final_location", None) == OffloadDeviceEnum.nvme:
+            return "parameters on NVMe"
     if any(group and optimizer._autoep_expert_parallel_group(group) is not None for group in optimizer.fp16_groups):
-        return False
-    optimizer._dstrain_params = params
-    # one rank holds every partition whole (no padding), on the device: the gather after the step is a view
+        return "expert parallelism"
+    return None
+
+
+def install(engine, state) -> None:
+    """Give `engine`'s ZeRO-3 optimizer the batched release, norm and gather (applies() said it covers it)."""
+    import torch
     from deepspeed import comm as dist
-    optimizer._dstrain_one_rank = all(
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+
+    optimizer = engine.optimizer
+    params = list(iter_params(optimizer.parameter_offload.module, recurse=True))  # external ones too, as DeepSpeed's
+    state.params = params
+    # one rank holds every partition whole (no padding), on the device: the gather after the step is a view
+    state.one_rank = all(
         dist.get_world_size(group=optimizer._get_param_partition_group(p)) == 1
         and p.ds_tensor.numel() == p.ds_numel and p.ds_tensor.device.type == torch.device(optimizer.device).type
         for p in params)
     optimizer.step = types.MethodType(_lean_step, optimizer)
-    return True
-
-
-def has_lean_step(optimizer) -> bool:
-    """Whether lean_zero3_step gave `optimizer` its step."""
-    return getattr(getattr(optimizer, "step", None), "__func__", None) is _lean_step
 
 
 def _lean_step(self, closure=None):
     """DeepSpeedZeroOptimizer_Stage3.step without offload, with the release, norm and gather batched."""
     from deepspeed.runtime.zero import stage3 as zero3
 
-    from dstrain.rank.offload_step_zero3 import checked_global_norm, warn_on_allocator_flushes
+    from dstrain.speedups.offload_chunked_step_zero3 import checked_global_norm, warn_on_allocator_flushes
 
     scaled_global_grad_norm = checked_global_norm(self, lambda: release_all_parameters(self),
                                                   lambda: grad_norm_groups(self))
@@ -115,7 +122,7 @@ def release_all_parameters(self) -> None:
         self._partition_all_parameters()
         return
     released = 0
-    for param in self._dstrain_params:
+    for param in self.dstrain_speedups.params:
         param.ds_active_sub_modules.clear()
         if param.ds_status == ZeroParamStatus.AVAILABLE:
             free_param(param)
@@ -137,7 +144,7 @@ def gather_persistent_parameters(self) -> None:
     params = self.persistent_parameters
     if not params:
         return
-    if not self._dstrain_one_rank:
+    if not self.dstrain_speedups.one_rank:
         plan = _gather_plan(self)
         if plan is None:
             params[0].all_gather_coalesced(params).wait()  # checks the statuses itself
@@ -162,15 +169,15 @@ def _expect_released(params) -> None:
 def _gather_plan(self):
     """(parameters in ds_id order, their partition group, its size, this rank's index in it) for
     gather_into_views, made once per list of persistent parameters; None where DeepSpeed's gather runs:
-    with DSTRAIN_ZERO3_GATHER=off, or for parameters in several partition groups, of several dtypes, or
+    with speedups.zero3_gather off, or for parameters in several partition groups, of several dtypes, or
     with a communication dtype of their own (torch autocast)."""
     import torch
     from deepspeed import comm as dist
     from deepspeed.runtime.torch_autocast import has_comm_dtype
 
-    if not getattr(self, "_dstrain_lean_gather", True):  # DSTRAIN_ZERO3_GATHER=off
+    if not self.dstrain_speedups.lean_gather:  # speedups.zero3_gather off
         return None
-    cached = getattr(self, "_dstrain_gather_plan", None)
+    cached = self.dstrain_speedups.gather_plan
     if cached is not None and cached[0] is self.persistent_parameters:
         return cached[1]
     params = sorted(self.persistent_parameters, key=lambda p: p.ds_id)  # the same order on every rank
@@ -181,7 +188,7 @@ def _gather_plan(self):
             and hasattr(torch, "split_with_sizes_copy")):
         group = self._get_param_partition_group(params[0])
         plan = (params, group, dist.get_world_size(group=group), dist.get_rank(group=group))
-    self._dstrain_gather_plan = (self.persistent_parameters, plan)
+    self.dstrain_speedups.gather_plan = (self.persistent_parameters, plan)
     return plan
 
 

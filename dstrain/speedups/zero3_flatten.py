@@ -1,22 +1,16 @@
-"""ZeRO-3's parameter partitions flattened on the GPU at engine start, instead of through host memory.
+"""ZeRO-3: the parameter partitions flattened on the device at engine start, instead of through host
+memory (registry: zero3_flatten; switch speedups.flatten_on_device).
 
-DeepSpeed 0.19's stage-3 optimizer moves every rank's 16-bit parameter partitions into one flat buffer
-(`deepspeed.runtime.zero.utils.defragment`) by copying them to pageable host memory, freeing them, and
-copying the buffer back, so that the flat buffer does not sit between freed blocks. On the 913M GPT on
-one H100 that round trip was 2.1 s of the engine's start (docs/benchmarks.md, finding 33). Here the
-buffer is allocated on the device while the partitions still exist, filled there, and the partitions'
-blocks are handed back to the driver afterwards (empty_cache), which leaves no holes either. The
-values and the buffer's layout are the same. It needs a second copy of the partitions for a moment,
-so only where the device has that free with room to spare; otherwise DeepSpeed's own path runs.
-DSTRAIN_FLATTEN_ON_DEVICE=off keeps DeepSpeed's path everywhere.
+DeepSpeed's `defragment` copies every partition to pageable host memory and back to build the flat
+buffer without holes. Here the buffer is filled on the device while the partitions still exist, and
+their old blocks are handed back afterwards, which leaves no holes either: the same values and layout
+(tests/test_zero3_flatten.py). It needs room for a second copy for a moment; without it DeepSpeed's
+path runs.
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
-
-from dstrain.switches import switched_off
 
 HEADROOM_BYTES = 2 << 30  # kept free beyond the second copy: the allocator's own slack, other processes
 
@@ -45,15 +39,25 @@ def flatten_on_device(tensors):
 
 @contextmanager
 def partitions_flattened_on_device():
-    """While it is open, ZeRO-3 engines built by deepspeed.initialize flatten with flatten_on_device."""
+    """While it is open, ZeRO-3 engines built by deepspeed.initialize flatten with flatten_on_device
+    (the registry opens it around deepspeed.initialize)."""
     from deepspeed.runtime.zero import stage3
 
-    if switched_off(os.environ, "DSTRAIN_FLATTEN_ON_DEVICE"):
-        yield
-        return
     original = stage3.defragment
     stage3.defragment = flatten_on_device
     try:
         yield
     finally:
         stage3.defragment = original
+
+
+def applies(engine=None) -> str | None:
+    """Why the flattening does not cover the engine about to be built (engine None) or `engine` (None: it
+    does): DeepSpeed's stage-3 module must have its `defragment`, and a built engine be ZeRO-3."""
+    from deepspeed.runtime.zero import stage3
+
+    if not hasattr(stage3, "defragment"):
+        return "this DeepSpeed's stage3 module has no defragment"
+    if engine is not None and not isinstance(getattr(engine, "optimizer", None), stage3.DeepSpeedZeroOptimizer_Stage3):
+        return "not ZeRO-3"
+    return None

@@ -1,81 +1,87 @@
-"""ZeRO-3 with the optimizer on the CPU: the optimizer step in chunks, the bf16 rounding on the GPU
-(DeepSpeed 0.19's DeepSpeedZeroOptimizer_Stage3 with DeepSpeedCPUAdam).
+"""ZeRO-3 with the optimizer on the CPU: the optimizer step in chunks (registry: offload_chunks_zero3,
+offload_host_rounding).
 
-DeepSpeed's stage-3 offload step makes three host passes over each sub-group's fp32 partition, one after
-another: the unscale/clip multiply of the gradients, the Adam update, and the fp32 -> bf16 rounding
-into the bf16 partition, which with parameter offload (stage3_offload) is the pinned host copy that the
-next forward fetches from. Here the work goes one chunk at a time, as offload_step.py does for ZeRO-1/2:
-multiply and Adam while the chunk is in cache, then the chunk's fp32 weights go to the GPU (pinned,
-asynchronous), the GPU rounds them to bf16, and the bf16 chunk goes back into the host partition (or
-straight into the GPU partition without parameter offload), while the host updates the next chunk.
-The step waits for the last copy before it returns, so the next fetch reads finished weights.
-
-The fp32 masters are moved into pinned memory once, when the step is installed (DeepSpeed pins the
-gradients and bf16 partitions but not the masters, and a copy from pageable memory blocks the host).
-On a CPU accelerator, or without pinning, the rounding stays on the host, chunk by chunk.
-
-The values are bit-identical to DeepSpeed's step (tests/test_offload_step_zero3.py): the same unscale
-factor, the same Adam kernel on chunks that start on its SIMD blocks, the same round-to-nearest-even.
-The rest of the step (overflow handling, the norm, sub-group bookkeeping, the persistent parameters'
-all-gather) is DeepSpeed's own code, called in its order.
+As offload_chunked_step.py does for ZeRO-1/2: unscale and Adam a chunk at a time while it is in cache,
+then the chunk's fp32 weights go to the GPU, are rounded to bf16 there and go back to the host partition
+(or straight into the GPU partition without parameter offload). With parameter offload, dstrain's Adam
+op can instead round the new weights into the host's bf16 partition in the Adam pass itself. The fp32
+masters are pinned once where their copies go to the GPU. The step waits for its last copy, so the next
+fetch reads finished weights. Bit-identical to DeepSpeed's step (tests/test_offload_step_zero3.py); the
+rest of the step is DeepSpeed's own code, in its order.
 """
 
 from __future__ import annotations
 
 import types
 
-from dstrain.rank.offload_step import SIMD_BLOCK, adam_chunk_update, record_copies, unscale_factor
+from dstrain.speedups.offload_chunked_step import SIMD_BLOCK, adam_chunk_update, record_copies, unscale_factor
 
 
-def chunk_zero3_offload_step(engine, chunk_elements: int, host_rounding: bool = True) -> bool:
-    """Give `engine`'s ZeRO-3 CPU-offload optimizer the chunked step; False (nothing changed) for any other
-    optimizer or set-up it does not cover: NVMe swapping, partial offload (`ratio`), SuperOffload, ZenFlow,
-    Muon, torch autocast's grad scaler, another CPU optimizer, fp16 masters, or a DeepSpeed without the
-    pieces it calls. `host_rounding`: with parameter offload, round the new weights into the host's bf16
-    partition in the Adam pass itself (dstrain's Adam op), where it can be built."""
+def applies(engine) -> str | None:
+    """Why the chunked step does not cover `engine` (None: it does): it needs ZeRO-3 with the optimizer
+    offloaded to the CPU as DeepSpeedCPUAdam with fp32 masters, without NVMe swapping, partial offload
+    (`ratio`), SuperOffload, ZenFlow, Muon or torch autocast's grad scaler, on a DeepSpeed with the
+    pieces it calls."""
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     optimizer = getattr(engine, "optimizer", None)
-    if type(optimizer) is not DeepSpeedZeroOptimizer_Stage3 or chunk_elements <= 0:
-        return False  # SuperOffload's optimizer is a subclass with its own step: left alone
+    if type(optimizer) is not DeepSpeedZeroOptimizer_Stage3:  # SuperOffload's subclass has its own step
+        return "not ZeRO-3's own optimizer"
+    if not getattr(optimizer, "offload_optimizer", False):
+        return "no ZeRO-3 CPU offload"
     needed = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "fp16_groups", "subgroup_to_device",
               "sub_group_to_group_id", "_pre_step", "_partition_all_parameters", "_get_norm_groups",
               "_overflow_check_and_loss_scale_update", "_loss_scale_update_and_overflow_cleanup",
               "_prepare_sub_group", "_unflatten_partitioned_parameters", "_release_sub_group", "_post_step",
               "_apply_muon_to_accumulated_grads", "n_caching_allocator_flushes")
-    if (not getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "swap_optimizer", False)
-            or getattr(optimizer, "zenflow", False) or getattr(optimizer, "use_muon", False)
-            or getattr(optimizer, "torch_autocast_gradscaler", None) is not None
-            or type(optimizer.optimizer) is not DeepSpeedCPUAdam
-            or not all(hasattr(optimizer, name) for name in needed)):
-        return False
-    masters, bit16 = optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat
-    if (any(device != "cpu" for device in optimizer.subgroup_to_device.values())
-            or any(flat is None for flat in bit16)
-            or any(m.dtype != torch.float32 or m.device.type != "cpu" for m in masters)):
-        return False
+    missing = [name for name in needed if not hasattr(optimizer, name)]
+    if missing:
+        return f"this DeepSpeed's stage-3 optimizer lacks {', '.join(missing)}"
+    for flag, what in (("swap_optimizer", "NVMe swapping"), ("zenflow", "ZenFlow"), ("use_muon", "Muon")):
+        if getattr(optimizer, flag, False):
+            return what
+    if getattr(optimizer, "torch_autocast_gradscaler", None) is not None:
+        return "torch autocast's grad scaler"
+    if type(optimizer.optimizer) is not DeepSpeedCPUAdam:
+        return f"the CPU optimizer is {type(optimizer.optimizer).__name__}, not DeepSpeedCPUAdam"
+    if any(device != "cpu" for device in optimizer.subgroup_to_device.values()):
+        return "partial offload (some sub-groups on the accelerator)"
+    if any(flat is None for flat in optimizer.fp16_partitioned_groups_flat):
+        return "a sub-group without its flat bf16 partition"
+    if any(m.dtype != torch.float32 or m.device.type != "cpu" for m in optimizer.fp32_partitioned_groups_flat):
+        return "the master weights are not fp32 on the host"
+    return None
+
+
+def install(engine, state, chunk_elements: int, round_op=None) -> None:
+    """Give `engine`'s ZeRO-3 CPU-offload optimizer the chunked step. `round_op`: dstrain's Adam op, to
+    round the new weights into the host's bf16 partition in the Adam pass itself (see rounds_on_host)."""
     from deepspeed.accelerator import get_accelerator
 
-    optimizer._dstrain_round_op = None  # dstrain's Adam op, where it rounds the weights on the host
-    if host_rounding and all(flat.device.type == "cpu" and flat.dtype == torch.bfloat16 for flat in bit16):
-        from dstrain.rank.adam_nogil import adam_without_gil
-
-        optimizer._dstrain_round_op = adam_without_gil(optimizer.optimizer)
-    if get_accelerator().device_name() != "cpu" and optimizer._dstrain_round_op is None:
-        for master in masters:  # pinned once: their copies to the GPU must not block the host
+    optimizer = engine.optimizer
+    state.round_op = round_op
+    if get_accelerator().device_name() != "cpu" and round_op is None:
+        for master in optimizer.fp32_partitioned_groups_flat:  # pinned once: their copies to the GPU must not block
             if not master.is_pinned():
                 master.data = get_accelerator().pin_memory(master.data)
-    optimizer._dstrain_chunk = max(SIMD_BLOCK, chunk_elements // SIMD_BLOCK * SIMD_BLOCK)
-    optimizer._dstrain_staging = None  # (fp32, bf16) chunks on the accelerator, made on first use
+    state.chunk = max(SIMD_BLOCK, chunk_elements // SIMD_BLOCK * SIMD_BLOCK)
+    state.staging = None  # (fp32, bf16) chunks on the accelerator, made on first use
     optimizer.step = types.MethodType(_chunked_step, optimizer)
-    return True
 
 
-def has_chunked_step(optimizer) -> bool:
-    """Whether chunk_zero3_offload_step gave `optimizer` its step."""
-    return getattr(getattr(optimizer, "step", None), "__func__", None) is _chunked_step
+def rounds_on_host(engine) -> str | None:
+    """Why the new weights cannot be rounded into the host's bf16 partition in the Adam pass (None: they
+    can): that needs parameter offload, every bf16 partition on the host."""
+    import torch
+
+    flats = engine.optimizer.fp16_partitioned_groups_flat
+    if any(flat.dtype != torch.bfloat16 for flat in flats):
+        return "the weights are not bf16"
+    if any(flat.device.type != "cpu" for flat in flats):
+        return "the bf16 partitions are not on the host (no parameter offload)"
+    return None
 
 
 def _chunked_step(self, closure=None):
@@ -92,7 +98,7 @@ def _chunked_step(self, closure=None):
         _update_sub_group(self, sub_group_id, factor)
         self._unflatten_partitioned_parameters(sub_group_id)
         self._release_sub_group(sub_group_id, timer_names)
-    copies = record_copies(self._dstrain_staging[0]) if self._dstrain_staging is not None else None
+    copies = record_copies(self.dstrain_speedups.staging[0]) if self.dstrain_speedups.staging is not None else None
     if copies is not None:  # the next forward fetches these weights: they must have landed
         copies.synchronize()
     self.timers(zero3.OPTIMIZER_STEP_TIMER).stop()
@@ -145,8 +151,8 @@ def warn_on_allocator_flushes(self) -> None:
 def _update_sub_group(self, sub_group_id: int, factor: float) -> None:
     update_chunk = chunk_updater(self, sub_group_id, factor)
     size = self.fp32_partitioned_groups_flat[sub_group_id].numel()
-    for start in range(0, size, self._dstrain_chunk):
-        update_chunk(start, min(start + self._dstrain_chunk, size))
+    for start in range(0, size, self.dstrain_speedups.chunk):
+        update_chunk(start, min(start + self.dstrain_speedups.chunk, size))
 
 
 def chunk_updater(self, sub_group_id: int, factor: float, adam_op=None):
@@ -163,25 +169,25 @@ def chunk_updater(self, sub_group_id: int, factor: float, adam_op=None):
     master = self.fp32_partitioned_groups_flat[sub_group_id]
     bit16 = self.fp16_partitioned_groups_flat[sub_group_id]
     on_host = bit16.device.type == "cpu"
-    round_op = getattr(self, "_dstrain_round_op", None)  # set only where every bf16 partition is on the host
+    round_op = self.dstrain_speedups.round_op  # set only where every bf16 partition is on the host
     rounded = bit16.data if round_op is not None else None
     round_on_device = round_op is None and master.is_pinned() and (not on_host or bit16.is_pinned())
-    bf16_grads = getattr(self, "_dstrain_bf16_grads", None)
-    if bf16_grads is not None and self._dstrain_grads_in_bf16:  # this step's gradients came in bf16
+    bf16_grads = self.dstrain_speedups.bf16_grads
+    if bf16_grads is not None and self.dstrain_speedups.grads_in_bf16:  # this step's gradients came in bf16
         op, views = bf16_grads
         update = adam_chunk_update(adam, group, master, factor, op=adam_op or op, bf16_grads=views[sub_group_id],
                                    rounded=rounded)
     else:
         update = adam_chunk_update(adam, group, master, factor, adam_op or round_op, rounded=rounded)
-    weights, chunk = master.data, self._dstrain_chunk
+    weights, chunk = master.data, self.dstrain_speedups.chunk
     if update is not None and rounded is not None:  # the Adam pass writes the bf16 weights itself
         return update
     if round_on_device:
         device = bit16.device if not on_host else torch.device(get_accelerator().current_device_name())
-        if self._dstrain_staging is None or self._dstrain_staging[0].device != device:
-            self._dstrain_staging = (torch.empty(chunk, dtype=weights.dtype, device=device),
+        if self.dstrain_speedups.staging is None or self.dstrain_speedups.staging[0].device != device:
+            self.dstrain_speedups.staging = (torch.empty(chunk, dtype=weights.dtype, device=device),
                                      torch.empty(chunk, dtype=bit16.dtype, device=device) if on_host else None)
-    staging = self._dstrain_staging
+    staging = self.dstrain_speedups.staging
 
     def update_chunk(start: int, end: int) -> None:
         if update is not None:

@@ -1,25 +1,15 @@
-"""ZeRO-3 with the optimizer on the CPU: the optimizer step runs beside the next forward (DeepSpeed
-0.19's DeepSpeedZeroOptimizer_Stage3 with the chunked step of offload_step_zero3.py).
+"""ZeRO-3 with the optimizer on the CPU: the chunked optimizer step runs on a worker thread beside the
+next forward (registry: offload_overlap; needs offload_chunks_zero3 and cpu_adam_nogil).
 
-The CPU Adam pass is bound by host memory (about 400 ms a step for a 1.3B model on an H100 host) and
-the next forward (about 85 ms there) used to start only after it. Here the step does what must happen
-at once on the main thread (the overflow check, the global norm, counting the Adam step and reading
-its rate) and hands the chunks to a worker thread; the next forward starts at once. A parameter is
-gathered (forward or backward fetch, prefetch, GatheredParameters) only after every chunk of its
-partition has been updated: each parameter's all_gather and all_gather_coalesced wait on the host for
-the update and make the gathering stream wait on the device for the chunks' bf16 copies. The chunks
-go in the order the model first uses their parameters (module registration order: the embedding,
-then block by block), so the forward follows the step block by block instead of waiting for all of
-it (docs/benchmarks.md finding 28: the forward hidden under the update, +9.5% in the hand loop).
-
-What reads or writes the optimizer's host buffers waits for the whole step first: the next
-backward's gradient copies (partition_grads), the next step, the optimizer's state_dict and
-load_state_dict, the engine's save_checkpoint and load_checkpoint. Only the main thread talks to
-other ranks: the worker runs DeepSpeed's CPU Adam kernel, through a binding that releases the GIL
-(adam_nogil.py: DeepSpeed's own holds it, and stopped the training thread), and queues its copies on a
-stream of its own. DeepSpeed's step ends by gathering the persistent (small) parameters; here the
-next forward gathers them, through the same wait. The arithmetic is the chunked step's, which is
-DeepSpeed's (tests/test_offload_step_zero3.py compares them bit for bit with the worker slowed down).
+The host's Adam pass is bound by memory bandwidth and the next forward used to wait for all of it. Here
+the step does on the main thread what must happen at once (overflow check, global norm, counting the
+Adam step and reading its rate) and hands the chunks, in the order the model first uses their
+parameters, to a worker. A parameter is gathered only after every chunk of its partition is updated:
+each parameter's all_gather and all_gather_coalesced wait for it (the device waits on the chunk's
+copies). What reads or writes the optimizer's host buffers (the next backward's gradient copies, the
+next step, state_dict, load_state_dict, save_checkpoint, load_checkpoint) waits for the whole step. Only
+the main thread talks to other ranks; the worker runs DeepSpeed's CPU Adam kernel through the GIL-free
+binding (cpu_adam_nogil.py). The arithmetic is the chunked step's (tests/test_offload_step_zero3.py).
 """
 
 from __future__ import annotations
@@ -32,8 +22,7 @@ import threading
 import time
 import types
 
-from dstrain.rank.adam_nogil import adam_without_gil
-from dstrain.rank.offload_step_zero3 import begin_step, chunk_updater, has_chunked_step, warn_on_allocator_flushes
+from dstrain.speedups.offload_chunked_step_zero3 import begin_step, chunk_updater, warn_on_allocator_flushes
 
 
 # The worker takes the GIL back after each chunk's update (about 50 a step at 406M). While the training
@@ -42,41 +31,48 @@ from dstrain.rank.offload_step_zero3 import begin_step, chunk_updater, has_chunk
 GIL_SWITCH_INTERVAL_S = 0.00025
 
 
-def overlap_zero3_offload_step(engine, threads: int = 0, quick_gil_handoff: bool = True) -> bool:
-    """Run `engine`'s chunked ZeRO-3 offload step beside the next forward, on `threads` CPU threads (0: one
-    fewer than the rank's, leaving a core to the main thread); False (nothing changed) where the chunked
-    step is not installed or the optimizer's partitions are not laid out as expected. `quick_gil_handoff`
-    shortens the interpreter's switch interval to GIL_SWITCH_INTERVAL_S (for the whole process)."""
+def applies(engine) -> str | None:
+    """Why the step cannot run beside the next forward on `engine` (None: it can): it needs a CPU or CUDA
+    accelerator (the worker's stream and events are CUDA's) and a DeepSpeed with the pieces it wraps
+    (dstrain's chunked step, its prerequisite, covers the rest)."""
     optimizer = getattr(engine, "optimizer", None)
     needed = ("fp16_partitioned_groups", "reset_cpu_buffers", "invalidate_secondary_tensor", "partition_grads",
               "state_dict", "load_state_dict")
-    if not has_chunked_step(optimizer) or not all(hasattr(optimizer, name) for name in needed):
-        return False
+    missing = [name for name in needed if not hasattr(optimizer, name)]
+    if missing:
+        return f"this DeepSpeed's optimizer lacks {', '.join(missing)}"
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() not in ("cpu", "cuda"):  # the worker's stream and events are CUDA's
-        return False
+    if get_accelerator().device_name() not in ("cpu", "cuda"):
+        return f"a {get_accelerator().device_name()} accelerator (the worker's stream and events are CUDA's)"
+    return None
+
+
+def install(engine, state, threads: int = 0, quick_gil_handoff: bool = True) -> str | None:
+    """Run `engine`'s chunked ZeRO-3 offload step beside the next forward, on `threads` CPU threads (0: one
+    fewer than the rank's, leaving a core to the main thread), with dstrain's Adam op (state.adam_op: DeepSpeed's
+    binding would stop the training thread during every update); why not (nothing changed) where the
+    optimizer's partitions are not laid out as expected. `quick_gil_handoff` shortens the interpreter's
+    switch interval to GIL_SWITCH_INTERVAL_S (for the whole process)."""
+    optimizer = engine.optimizer
     layout = chunk_layout(optimizer, engine.module)
     if layout is None:
-        return False
-    adam_op = adam_without_gil(optimizer.optimizer)
-    if adam_op is None:  # DeepSpeed's binding would stop the training thread during every update
-        return False
+        return "a partition is not where its sub-group's flat buffer says"
     order, ready_after = layout
     overlap = StepBesideForward(order, ready_after, _accelerator_device(optimizer), threads)
-    overlap.adam_op = adam_op
+    overlap.adam_op = state.adam_op
     for param in engine.module.parameters():
         if hasattr(param, "all_gather") and hasattr(param, "all_gather_coalesced"):
             _gate_gathers(param, overlap)
     for owner, name in ((optimizer, "partition_grads"), (optimizer, "state_dict"), (optimizer, "load_state_dict"),
                         (engine, "save_checkpoint"), (engine, "load_checkpoint")):
         setattr(owner, name, _after_drain(overlap, getattr(owner, name)))
-    optimizer._dstrain_overlap = overlap
+    state.overlap = overlap
     optimizer.step = types.MethodType(_overlapped_step, optimizer)
     atexit.register(overlap.drain_at_exit)
     if quick_gil_handoff:
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
-    return True
+    return None
 
 
 def chunk_layout(optimizer, module):
@@ -88,7 +84,7 @@ def chunk_layout(optimizer, module):
         for param in submodule.parameters(recurse=False):
             first_use.setdefault(id(param), len(first_use))
     unused = len(first_use)
-    chunk = optimizer._dstrain_chunk
+    chunk = optimizer.dstrain_speedups.chunk
     keyed, spans, sizes = [], {}, []
     for sub_group, params in enumerate(optimizer.fp16_groups):
         flat = optimizer.fp16_partitioned_groups_flat[sub_group]
@@ -119,7 +115,7 @@ class StepBesideForward:
 
     def __init__(self, order, ready_after: dict, device, threads: int = 0):
         self.order, self.ready_after, self.device, self.threads = order, ready_after, device, threads
-        self.adam_op = None  # DeepSpeed's Adam kernel with the GIL released (adam_nogil.py)
+        self.adam_op = None  # DeepSpeed's Adam kernel with the GIL released (cpu_adam_nogil.py)
         self.queued = len(order)  # chunks of the current step updated on the host, their copies queued
         self.events: list = []  # per queued chunk: an event after its copies (None where there are none)
         self.running = False
@@ -188,7 +184,7 @@ class StepBesideForward:
     def raise_error(self) -> None:
         if self.error is not None:
             raise RuntimeError("dstrain's overlapped CPU-offload optimizer step failed on its worker thread "
-                               "(DSTRAIN_OFFLOAD_OVERLAP=off runs the step on the main thread)") from self.error
+                               "(speedups.offload_overlap=false runs the step on the main thread)") from self.error
 
     def _work(self) -> None:
         import torch
@@ -235,7 +231,7 @@ class StepBesideForward:
 def _overlapped_step(self, closure=None):
     """The chunked step, with the chunks handed to the worker; DeepSpeed's _post_step without the persistent
     parameters' all-gather (_partition_all_parameters released them; the next forward gathers them)."""
-    overlap = self._dstrain_overlap
+    overlap = self.dstrain_speedups.overlap
     overlap.drain()
     factor = begin_step(self)
     if factor is None:
@@ -275,7 +271,7 @@ def _after_drain(overlap: StepBesideForward, method):
 
 def _accelerator_device(optimizer):
     """The CUDA device the worker queues copies on; None where the chunks are rounded on the host."""
-    if getattr(optimizer, "_dstrain_round_op", None) is not None:  # rounded by the Adam pass, into host memory
+    if optimizer.dstrain_speedups.round_op is not None:  # rounded by the Adam pass, into host memory
         return None
     staging_on_device = any(m.is_pinned() for m in optimizer.fp32_partitioned_groups_flat)
     if not staging_on_device:

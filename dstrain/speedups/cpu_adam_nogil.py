@@ -1,15 +1,11 @@
-"""DeepSpeed's CPU Adam kernel with the GIL released during each update, for the offload worker thread
-(offload_overlap_zero3.py).
+"""DeepSpeed's CPU Adam kernel with the GIL released during each update (registry: cpu_adam_nogil).
 
-DeepSpeed 0.19's cpu_adam binding holds the GIL for the whole update (a few ms per 8M-element chunk),
-so a step on a worker thread stopped the training thread's Python for as long: measured on one H100,
-the overlapped 1.3B step ran about 100 ms slower than on the main thread and the run lost 5-20%.
-This op compiles DeepSpeed's own kernel source (csrc/adam/cpu_adam_impl.cpp, unchanged, included by
-cpu_adam_nogil.cpp beside this file) with a binding of ours that releases the GIL: the same arithmetic,
-bit for bit. The binding adds one update, adam_update_tiles, which runs DeepSpeed's Step_8 tile by tile
-on gradients held in bf16 (offload_step.py's bf16_offload_grads: widened in cache) or fp32, and can round
-the new weights to bf16 in the same pass (offload_step_zero3.py, parameters offloaded to the host). It is
-JIT-built like DeepSpeed's ops, once per machine (about a minute), into the same cache.
+DeepSpeed's cpu_adam binding holds the GIL for a whole update, which stops the training thread while
+offload_overlap_zero3.py's worker updates. This op compiles DeepSpeed's own kernel source (included,
+unchanged, by cpu_adam_nogil.cpp beside this file) with a binding that releases the GIL: the same
+arithmetic, bit for bit. It adds adam_update_tiles, which runs the kernel tile by tile on gradients in
+bf16 (widened in cache) or fp32, and can round the new weights to bf16 in the same pass. JIT-built like
+DeepSpeed's ops, once per machine, into the same cache.
 """
 
 from __future__ import annotations
@@ -53,3 +49,17 @@ def adam_without_gil(adam):
     op.create_adam(adam.opt_id, defaults["lr"], beta1, beta2, defaults["eps"], defaults["weight_decay"],
                    adam.adam_w_mode, False)
     return op
+
+
+def applies(engine) -> str | None:
+    """Why there is no DeepSpeedCPUAdam on `engine` to build the op for (None: there is)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    adam = getattr(getattr(engine, "optimizer", None), "optimizer", None)
+    return None if isinstance(adam, DeepSpeedCPUAdam) else "no DeepSpeedCPUAdam (no CPU offload)"
+
+
+def install(engine, state) -> str | None:
+    """Build the op for `engine`'s DeepSpeedCPUAdam into state.adam_op; why not where it cannot be built."""
+    state.adam_op = adam_without_gil(engine.optimizer.optimizer)
+    return None if state.adam_op is not None else "the op could not be built here (no compiler or ninja?)"

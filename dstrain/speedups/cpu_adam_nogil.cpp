@@ -1,9 +1,9 @@
 // DeepSpeed's CPU Adam (its csrc/adam/cpu_adam_impl.cpp, included unchanged) bound for
-// dstrain/rank/adam_nogil.py. DeepSpeed's own binding holds the GIL through each update; this one
+// dstrain/speedups/cpu_adam_nogil.py. DeepSpeed's own binding holds the GIL through each update; this one
 // releases it, so an update running on dstrain's offload worker thread does not stop the training
-// thread's Python (dstrain/rank/offload_overlap_zero3.py). It adds one update of our own around DeepSpeed's
-// arithmetic, tile by tile: from bf16 gradients (offload_step.py), which cross the bus in half the bytes,
-// and with the new weights rounded to bf16 in the same pass (offload_step_zero3.py, where the bf16
+// thread's Python (offload_overlap_zero3.py). It adds one update of our own around DeepSpeed's
+// arithmetic, tile by tile: from bf16 gradients (offload_chunked_step.py), which cross the bus in half the bytes,
+// and with the new weights rounded to bf16 in the same pass (offload_chunked_step_zero3.py, where the bf16
 // weights live on the host).
 #include <omp.h>
 #include <algorithm>
