@@ -1,0 +1,58 @@
+# Sourced by the scripts beside it; not run alone. Run those from the repository root on the GPU machine,
+# after `source benchmarks/gpu_env.sh` (see docs/benchmarks.md, "How to reproduce").
+#
+# Shapes of dstrain's built-in GPT, by name (micro batch per GPU x sequence):
+#   124m   12 x 768,  12 heads, vocabulary 50,304,  16 x 1024
+#   406m   24 x 1024, 16 heads, vocabulary 100,352,  8 x 1024   (the suite's default)
+#   615m   20 x 1536, 12 heads, vocabulary 32,000,   4 x 2048
+#   913m   16 x 2048, 16 heads, vocabulary 50,304,   4 x 2048
+#   1.3b   24 x 2048, 16 heads, vocabulary 50,304,   8 x 1024
+#   2.65b  32 x 2560, 20 heads, vocabulary 50,304,   4 x 2048
+# Environment: OUT (where results and logs go; the device tool sets it, default
+# benchmarks/results/<date>-calls), STEPS (steps a row, default per script), EXTRA (more suite.py
+# arguments for every row, e.g. "--set train.lr=3e-4").
+set -u
+OUT=${OUT:-benchmarks/results/$(date +%F)-calls}
+WORK=${WORK:-/tmp/dstrain-calls}
+mkdir -p "$OUT" "$WORK"
+EXTRA=${EXTRA:-}
+
+shape_args() {
+  case $1 in
+    124m)  echo "--n-layer 12 --d-model 768 --n-head 12 --vocab-size 50304 --micro-batch 16" ;;
+    406m)  echo "--n-layer 24 --d-model 1024 --n-head 16 --vocab-size 100352" ;;
+    615m)  echo "--n-layer 20 --d-model 1536 --n-head 12 --vocab-size 32000 --seq-len 2048 --micro-batch 4" ;;
+    913m)  echo "--n-layer 16 --d-model 2048 --n-head 16 --vocab-size 50304 --seq-len 2048 --micro-batch 4" ;;
+    1.3b)  echo "--n-layer 24 --d-model 2048 --n-head 16 --vocab-size 50304" ;;
+    2.65b) echo "--n-layer 32 --d-model 2560 --n-head 20 --vocab-size 50304 --seq-len 2048 --micro-batch 4" ;;
+    *) echo "unknown shape '$1' (124m, 406m, 615m, 913m, 1.3b, 2.65b)" >&2; return 2 ;;
+  esac
+}
+
+# DeepSpeed's JIT ops and dstrain's GIL-free Adam op, built before any row is timed, so that no row's
+# first step includes a compile. Runs in the background beside the first (torch) row; wait_ops waits.
+start_ops() {
+  ( OPS="${1:-FusedAdamBuilder CPUAdamBuilder}" bash benchmarks/gpu_ops.sh
+    python3 -c "from dstrain.rank.adam_nogil import load_adam_without_gil as f; f(); print('op dstrain_cpu_adam_nogil: ready')"
+  ) > "$OUT/ops.log" 2>&1 &
+  OPS_PID=$!
+}
+wait_ops() { wait "$OPS_PID"; grep -h "ready\|FAILED" "$OUT/ops.log"; }
+
+# One suite.py invocation: suite GPUS SHAPE OUTNAME ARGS...
+suite() {
+  local gpus=$1 shape=$2 name=$3; shift 3
+  # shellcheck disable=SC2046
+  python3 benchmarks/suite.py --work "$WORK" --gpus "$gpus" $(shape_args "$shape") --out "$OUT/$name" $EXTRA "$@"
+}
+
+# The rows' summary lines from a log, then the rows' own logs in one tarball.
+summarize() {
+  for log in "$@"; do
+    [ -f "$log" ] || continue
+    echo "== $log"
+    grep -E "^(torch|dstrain|deepspeed|lightning) +(stage|none)|FAILED|Error" "$log" | grep -v "  -  "
+  done
+  tar -czf "$OUT/rowlogs.tgz" -C "$WORK" $(cd "$WORK" && ls ./*.log 2>/dev/null) 2>/dev/null
+  { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; nproc; } > "$OUT/machine.txt"
+}
