@@ -66,3 +66,16 @@ def test_the_speedups_section_reaches_the_ranks_through_the_frozen_config(tmp_pa
     assert any("zero3_hooks (speedups.zero3_hooks=false)" in line for line in said), result.stdout[-3000:]
     assert any("zero3_grads (speedups.zero3_grads=false)" in line for line in said), result.stdout[-3000:]
     assert sorted(losses(run_dir)) == [1, 2]
+
+
+def test_the_report_names_what_did_not_apply_only_where_its_family_fits_the_run_or_it_was_switched_off():
+    from dstrain.speedups.registry import Report
+    stage2 = Report(applied=[], not_applied={"zero3_step": "not ZeRO-3", "offload_syncs": "no ZeRO-1/2 CPU offload"})
+    assert stage2.lines() == []
+    zero3 = Report(applied=["zero3_step"], not_applied={"zero3_hooks": "no module keeps its parameters gathered",
+                                                        "offload_syncs": "no ZeRO-1/2 CPU offload",
+                                                        "cuda_stream": "speedups.cuda_stream=false"})
+    lines = zero3.lines()
+    assert "not applied: zero3_hooks (no module keeps its parameters gathered)" in lines
+    assert "not applied: cuda_stream (speedups.cuda_stream=false)" in lines
+    assert not any("offload_syncs" in line for line in lines)

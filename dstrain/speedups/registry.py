@@ -181,8 +181,9 @@ class Report:
     state: SpeedupState | None = None
 
     def lines(self) -> list[str]:
-        """One line per family of applied changes, then one per reason a change did not apply (changes that
-        did not apply because a prerequisite did not are named on their prerequisite's line)."""
+        """One line per family of applied changes, then one per reason a change of such a family (or one switched
+        off) did not apply; changes that did not apply because a prerequisite did not are named on their
+        prerequisite's line."""
         if self.warning:
             return [f"warning: {self.warning}"]
         lines = []
@@ -192,8 +193,13 @@ class Report:
             parts = [part for part in parts if part]
             if parts:
                 lines.append(f"{family}, dstrain's changes: " + "; ".join(parts))
+        # A family none of whose changes applied does not fit this run (ZeRO-3's changes at stage 2, say):
+        # silent, unless the user switched a change off.
+        fitting = {BY_NAME[name].family for name in self.applied}
         by_reason: dict[str, list[str]] = {}
         for name, reason in self.not_applied.items():
+            if BY_NAME[name].family not in fitting and not reason.startswith("speedups."):
+                continue
             # a change whose prerequisite did not apply goes on the line of the first one missing
             while reason.startswith("needs ") and reason.removeprefix("needs ").split(",")[0] in self.not_applied:
                 reason = self.not_applied[reason.removeprefix("needs ").split(",")[0]]

@@ -102,6 +102,7 @@ def load(found: Found, device: str):
     from dstrain.errors import require_package
     transformers = require_package("transformers", "dstrain generate", "hf")
     import torch
+    transformers.utils.logging.disable_progress_bar()  # a loading bar says nothing before one completion
     dtype = "auto" if device == "cuda" else torch.float32
     folder = found.folder
     base = folder
