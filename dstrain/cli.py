@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import typer
 
 from dstrain.errors import EXIT_BAD_INPUT, UserError
+
+# transformers 5 warns of its own deprecated property whenever peft reads it (pre-flight, generate): nothing
+# a user can act on. The ranks route it to their logs instead (dstrain/rank/output.py).
+warnings.filterwarnings("ignore", message=r".*`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 app = typer.Typer(
     name="dstrain",

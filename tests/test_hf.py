@@ -410,3 +410,15 @@ def test_zero3_fetches_each_transformer_block_of_an_hf_model_whole(llama_dir, mo
     if leaf:
         assert "MixtralSparseMoeBlock" in " ".join(classes)  # DeepSpeed's own defaults stay
         assert "LlamaDecoderLayer" in resolved.sources["deepspeed.zero_optimization.leaf_module"]
+
+
+def test_the_named_chat_template_a_run_trains_in_goes_with_its_exports_so_generate_chats_in_it(tmp_path):
+    from dstrain.data.templates import TEMPLATES
+    model_dir = save_tiny_llama(tmp_path / "llama")
+    config = RunConfig.model_validate({"model": {"name": f"hf:{model_dir}"},
+                                       "data": {"source": "jsonl", "format": "sharegpt", "chat_template": "chatml"}})
+    hf.save_source(config, tmp_path / "run")
+    assert (tmp_path / "run" / "hf_source" / "chat_template.jinja").read_text() == TEMPLATES["chatml"]
+    plain = config.model_copy(update={"data": config.data.model_copy(update={"format": "prompt_response"})})
+    hf.save_source(plain, tmp_path / "run-plain")  # a format that renders no conversation trains in no template
+    assert not (tmp_path / "run-plain" / "hf_source" / "chat_template.jinja").exists()

@@ -443,6 +443,10 @@ def save_source(config: RunConfig, run_dir: Path) -> None:
                 shutil.copyfile(path, target / path.name)
     else:  # a hub id: the same files, through transformers (cached by huggingface_hub)
         _save_from_hub(config, target)
+    from dstrain.data.templates import named_or_file, uses_template
+    if config.data.chat_template is not None and uses_template(config.data):
+        # the template the run trained in goes with the exports, so `generate --chat` talks in it
+        (target / "chat_template.jinja").write_text(named_or_file(config.data.chat_template), encoding="utf-8")
     if config.model.lora is not None:  # for `--format peft`: the adapters' peft config, naming the base model
         adapter = peft_config(config.model.lora)
         adapter.base_model_name_or_path = str(source.resolve()) if source.is_dir() else source_of(config)
