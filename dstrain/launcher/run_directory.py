@@ -19,7 +19,7 @@ from dstrain.config.layers import flatten
 from dstrain.config.resolve import ResolvedConfig, redact
 from dstrain.errors import UserError
 from dstrain.launcher.ownership import RunDirLock, acquire
-from dstrain.rundir import CHECKPOINTS, CONFIG, DS_CONFIG, HEALTH, LAUNCH, RANKS, SECRETS, write_atomic
+from dstrain.rundir import CHECKPOINTS, CONFIG, DS_CONFIG, HEALTH, RANKS, SECRETS, LaunchInfo, write_atomic
 
 
 SYNTHETIC_HOSTFILE = "hostfile"
@@ -53,14 +53,15 @@ def prepare_run_dir(run_dir: Path, resuming: bool, job: str | None = None) -> Ru
     return lock
 
 
-def write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: dict, own_ranks: range | None = None) -> None:
+def write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: LaunchInfo,
+                  own_ranks: range | None = None) -> None:
     config = resolved.config.model_dump(mode="json")
     secrets = {path: value for path, value in flatten(resolved.ds_config).items()
                if flatten(redact(resolved.ds_config)).get(path) != value}
     try:
         write_atomic(run_dir / CONFIG, yaml.safe_dump(redact(config), sort_keys=False))
         write_atomic(run_dir / DS_CONFIG, json.dumps(redact(resolved.ds_config), indent=2))
-        write_atomic(run_dir / LAUNCH, json.dumps(launch_info, indent=2))
+        launch_info.write(run_dir)
         if secrets:
             secret_file = run_dir / SECRETS
             write_atomic(secret_file, json.dumps(secrets))
@@ -70,7 +71,7 @@ def write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: dict, ow
             # With --no-ssh, other nodes sharing this directory may already have started: their
             # records are theirs to replace. Ranks past the new world size belong to no node.
             rank = int(stale.name[4:].split(".")[0])
-            if own_ranks is None or rank in own_ranks or rank >= launch_info["world_size"]:
+            if own_ranks is None or rank in own_ranks or rank >= launch_info.world_size:
                 stale.unlink(missing_ok=True)
     except OSError as err:
         raise UserError.single(f"cannot write the run directory: {err.strerror}", f"--run-dir {run_dir}",
