@@ -25,7 +25,7 @@ from dstrain.launcher.options import LaunchOptions
 from dstrain.launcher.ownership import acquire
 from dstrain.launcher.runner import rank_env, runner_command
 from dstrain.launcher.supervise import supervise
-from dstrain.launcher.topology import free_port
+from dstrain.launcher.topology import JobShape, free_port
 from dstrain.rundir import CONFIG, DS_CONFIG, RANKS, SECRETS, LaunchInfo, ResumeTarget, missing_files, write_atomic
 
 EVAL_DIR = "eval"
@@ -71,7 +71,8 @@ def _launch_eval(run_dir: Path, eval_dir: Path, found: CompleteCheckpoint, saved
                   f"{world} ranks on {acc}, {train['eval_batches']} x {train['global_batch_size']} held-out samples",
                   soft_wrap=True)
     options = LaunchOptions(gpus=world, nodes=1, accelerator=acc, verbose=verbose)
-    command = runner_command(options, world, 1, eval_dir, free_port())
+    shape = JobShape(ranks=world, nodes=1, hosts=None, active={"localhost": world}, own_ranks=None)
+    command = runner_command(options, shape, eval_dir, free_port())
     code = supervise(command, rank_env(acc, world), eval_dir, verbose, console,
                      hang_timeout_s=saved.hang_timeout_s)
     if code == 0 and not (run_dir / RESULT).is_file():

@@ -27,8 +27,7 @@ from dstrain.launcher.env_fixes import use_bytecode_cache
 from dstrain.launcher.preflight import check_runtime, clear_stale_build_locks
 from dstrain.launcher.options import LaunchOptions
 from dstrain.launcher.ownership import current_holder, multi_node_job_id
-from dstrain.launcher.run_directory import (default_run_dir, prepare_run_dir, universal_copy, write_run_dir,
-                                            write_synthetic_hostfile)
+from dstrain.launcher.run_directory import default_run_dir, prepare_run_dir, universal_copy, write_run_dir
 from dstrain.launcher.runner import is_local_job, rank_env, runner_command
 from dstrain.launcher.supervise import supervise
 from dstrain.launcher.topology import MPI_LAUNCHERS, JobShape, job_shape, master_port
@@ -49,7 +48,7 @@ def launch(o: LaunchOptions) -> int:
                        accelerator=accelerator)
     run_dir = Path(o.run_dir or default_run_dir(resolved))
     port = master_port(o, shape)
-    command = runner_command(o, shape.ranks, shape.nodes, run_dir, port)
+    command = runner_command(o, shape, run_dir, port)
     early = None
     if not o.dry_run and is_local_job(o, shape.nodes) and early_start.wanted(resolved.ds_config):
         early = early_start.EarlyStart(command, rank_env(accelerator, max(shape.active.values())))
@@ -101,8 +100,6 @@ def _start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelera
                              hang_timeout_s=hang_timeout_s(resolved.config.train.hang_timeout_s, accelerator))
     write_run_dir(run_dir, resolved, launch_info, shape.own_ranks)
     _save_model_source(resolved, run_dir)
-    if o.no_ssh and shape.nodes > 1 and o.hostfile is None:
-        write_synthetic_hostfile(run_dir, shape.ranks, shape.nodes)
     console.print(f"run directory: {run_dir}")
     started = time.time()
     # Ranks started early have their environment already (rank_env prints its notes once).

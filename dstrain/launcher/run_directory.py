@@ -1,7 +1,6 @@
 """Writing the run directory before the ranks start: its checks (writable, owned by no other job,
 no foreign checkpoints),
-the run files the ranks read (names in dstrain/rundir.py), the synthetic hostfile for --no-ssh,
-and the universal copy of a checkpoint saved by another world size.
+the run files the ranks read (names in dstrain/rundir.py), and the universal copy of a checkpoint saved by another world size.
 """
 
 from __future__ import annotations
@@ -20,9 +19,6 @@ from dstrain.config.resolve import ResolvedConfig, redact
 from dstrain.errors import UserError
 from dstrain.launcher.ownership import RunDirLock, acquire
 from dstrain.rundir import CHECKPOINTS, CONFIG, DS_CONFIG, HEALTH, RANKS, SECRETS, LaunchInfo, write_atomic
-
-
-SYNTHETIC_HOSTFILE = "hostfile"
 
 
 def default_run_dir(resolved: ResolvedConfig) -> Path:
@@ -76,12 +72,6 @@ def write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: LaunchIn
     except OSError as err:
         raise UserError.single(f"cannot write the run directory: {err.strerror}", f"--run-dir {run_dir}",
                                "choose a writable directory with free space")
-
-
-def write_synthetic_hostfile(run_dir: Path, ranks: int, nodes: int) -> None:
-    """--no-ssh without --hostfile: the runner only needs the job's shape, one line per node. Every
-    node writes the same text; atomically, since another node's runner may be reading it."""
-    write_atomic(run_dir / SYNTHETIC_HOSTFILE, "".join(f"node{i} slots={ranks}\n" for i in range(nodes)))
 
 
 def universal_copy(checkpoints: Path, tag: str, run_dir: Path) -> Path:

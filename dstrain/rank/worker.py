@@ -110,6 +110,10 @@ def _alive(pid: int) -> bool:
 
 def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
     config, ds_config, launch = rundir.read(run_dir)
+    # DeepSpeed takes its accelerator from DS_ACCELERATOR when first used (after this). The node that ran
+    # `dstrain run` sets it, but pdsh, mpirun and srun pass other nodes only some variables, and a node's
+    # own environment may say otherwise: the run directory decides, the same on every node.
+    os.environ["DS_ACCELERATOR"] = launch.accelerator
     if launch.mode == "eval":  # `dstrain eval`
         for sig in previous_handlers:  # nothing to save: a stop request (SIGINT too) ends it, no traceback
             signal.signal(sig, signal.SIG_DFL)
