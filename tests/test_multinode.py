@@ -302,6 +302,7 @@ def free_port() -> int:
 
 
 @pytest.mark.integration
+@pytest.mark.oldest_deepspeed
 def test_two_nodes_with_one_rank_each_train_exactly_like_one_node_with_two_ranks(tmp_path):
     shared = tmp_path / "two_nodes"  # one run directory, as on a shared filesystem
     port = str(free_port())

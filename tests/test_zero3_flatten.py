@@ -5,10 +5,16 @@ the same code runs on the device)."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from one_rank import run_script
+
+# What this change replaces exists from DeepSpeed 0.19 on; on 0.18 stock DeepSpeed flattens (runtime.initialize_engine).
+pytestmark = pytest.mark.skipif(not hasattr(importlib.import_module("deepspeed.runtime.zero.stage3"), "defragment"),
+                                reason="this DeepSpeed has no stage3.defragment to replace")
 
 
 def _assert_same(out: dict, device: str) -> None:

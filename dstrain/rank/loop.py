@@ -207,6 +207,9 @@ def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, rank: i
         heartbeat.beat("backward")
         engine.backward(loss)
         heartbeat.beat("step")
-        engine.step()
+        # Outside autograd: DeepSpeed 0.18's ZeRO-1/2 step all-gathers into views of a flat buffer, which
+        # torch 2.13 refuses to write in place while grad mode is on (gloo); 0.19's step is the same either way.
+        with torch.no_grad():
+            engine.step()
         step_loss += loss.detach().float()
     return step_loss, fetch_s
