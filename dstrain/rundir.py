@@ -70,7 +70,17 @@ class LaunchInfo(BaseModel):
 
     @classmethod
     def read(cls, run_dir: Path) -> "LaunchInfo":
-        return cls.model_validate_json((Path(run_dir) / LAUNCH).read_text())
+        """LAUNCH of `run_dir`; a UserError naming the file when it is not one this dstrain writes."""
+        from pydantic import ValidationError
+
+        from dstrain.errors import UserError
+        path = Path(run_dir) / LAUNCH
+        try:
+            return cls.model_validate_json(path.read_text())
+        except ValidationError as err:
+            wrong = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(file)'}: {e['msg']}" for e in err.errors())
+            raise UserError.single(f"not a launch file of this dstrain version ({wrong})", str(path),
+                                   "start the run again with `dstrain run` (add --resume latest to continue it)") from None
 
     def write(self, run_dir: Path) -> None:
         write_atomic(Path(run_dir) / LAUNCH, self.model_dump_json(indent=2))
