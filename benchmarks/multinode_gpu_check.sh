@@ -23,12 +23,15 @@ ACCEL=${ACCEL:-cuda}
 RESULTS=${OUT:-$PWD/multinode_check}/multinode
 WORK=${WORK:-/tmp/dstrain_multinode}
 PORT=${MASTER_PORT:-29531}
-PHASE_TIMEOUT=${PHASE_TIMEOUT:-900}   # seconds for each job, op builds included
 if [ "$ACCEL" = cuda ]; then
+  # Each job takes about a minute; a hung one is stopped in time for the summary to come back within one
+  # 10-minute device call (the fused Adam build before them: about a minute).
+  PHASE_TIMEOUT=${PHASE_TIMEOUT:-160}
   STEPS=${STEPS:-30}; RESUME_AT=${RESUME_AT:-20}; SAVE_EVERY=${SAVE_EVERY:-10}
   MODEL=(model.n_layer=4 model.n_head=4 model.d_model=256 data.seq_len=256 train.micro_batch_size=8)
   TOL_SAME=${TOL_SAME:-0.02}; TOL_OTHER=${TOL_OTHER:-0.05}   # bf16, other reduction orders
 else
+  PHASE_TIMEOUT=${PHASE_TIMEOUT:-900}
   STEPS=${STEPS:-4}; RESUME_AT=${RESUME_AT:-2}; SAVE_EVERY=${SAVE_EVERY:-2}
   MODEL=(model.n_layer=2 model.n_head=2 model.d_model=32 data.seq_len=32 train.micro_batch_size=4)
   TOL_SAME=${TOL_SAME:-0.001}; TOL_OTHER=${TOL_OTHER:-0.001}  # fp32 on gloo
