@@ -33,7 +33,7 @@ shape_args() {
 # first step includes a compile. Runs in the background beside the first (torch) row; wait_ops waits.
 start_ops() {
   ( OPS="${1:-FusedAdamBuilder CPUAdamBuilder}" bash benchmarks/gpu_ops.sh
-    python3 -c "from dstrain.rank.adam_nogil import load_adam_without_gil as f; f(); print('op dstrain_cpu_adam_nogil: ready')"
+    python3 -c "from dstrain.speedups.cpu_adam_nogil import load_adam_without_gil as f; f(); print('op dstrain_cpu_adam_nogil: ready')"
   ) > "$OUT/ops.log" 2>&1 &
   OPS_PID=$!
 }
