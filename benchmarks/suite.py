@@ -357,14 +357,15 @@ def _run_dstrain_loop(engine, config, run_dir: Path, train_sampler, eval_sampler
                       world: int) -> list[dict]:
     """Diagnostic (+dstrain_loop): this process's engine driven by dstrain's own train loop, which
     separates the cost of dstrain's loop from that of its launcher and worker start-up."""
-    from dstrain.rank.loop import StopRequest, train
+    from dstrain.rank.loop import LoopParts, StopRequest, train
     from dstrain.rank.metrics import MetricsLog
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     t = config.train
     metrics = MetricsLog(run_dir, rank == 0, t.max_steps, t.global_batch_size * config.data.seq_len, 1.0, world, device)
-    train(engine, config, run_dir, train_sampler, eval_sampler, 0, metrics, device, lambda step: {"step": step},
-          StopRequest())
+    parts = LoopParts.build(engine, config, run_dir, train_sampler, eval_sampler, device, metrics,
+                            lambda step: {"step": step}, None)
+    train(engine, config, parts, 0, StopRequest())
     return _dstrain_intervals(run_dir) if rank == 0 else []
 
 

@@ -1,4 +1,5 @@
-"""Loading user code named as "package.module:function" in a config.
+"""Loading user code named as "package.module:function" (model.name, data.source) or "module:Class"
+(train.log_to) in a config.
 
 Entry points are code execution: a config that names one runs that code (see README, Security).
 """
@@ -56,3 +57,19 @@ def call_entry_point(func: Callable, spec: str, key: str, kwargs_key: str, kwarg
     except Exception as err:  # noqa: BLE001 - the user's function failing is a problem with their input
         raise UserError.single(f"calling {spec}(**{kwargs_key}) failed: {type(err).__name__}: {err}",
                                f"{key} / {kwargs_key}", f"check the function and the keys in {kwargs_key}")
+
+
+TRACKER_METHODS = ("log_metrics", "log_event", "close")  # and, optionally, rewind(step)
+
+
+def load_tracker_class(spec: str, key: str) -> type:
+    """Import a user's tracker `module:Class` and check that it is a class with the tracker methods
+    (dstrain/rank/trackers.py describes them); a UserError naming the key otherwise."""
+    cls = load_entry_point(spec, key)
+    missing = [m for m in TRACKER_METHODS if not callable(getattr(cls, m, None))]
+    if isinstance(cls, type) and not missing:
+        return cls
+    what = f"lacks {', '.join(missing)}" if isinstance(cls, type) else "is not a class"
+    raise UserError.single(f"tracker {spec} {what}", key,
+                           "name a class whose __init__ takes (run_dir, hparams, start_step) and that has "
+                           "log_metrics(step, values), log_event(step, kind, fields) and close()")

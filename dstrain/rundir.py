@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 CONFIG = "config.yaml"            # the resolved dstrain config (secrets redacted)
 DS_CONFIG = "ds_config.json"      # exactly what deepspeed.initialize gets (secrets redacted)
@@ -42,6 +44,54 @@ def rank_log(run_dir: Path, rank: int) -> Path:
     return run_dir / RANKS / f"rank{rank}.log"
 
 
+class ResumeTarget(BaseModel):
+    """The checkpoint a rank loads before its first step."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    directory: str
+    """The folder holding the checkpoint's tag folder (the run's checkpoints/, or its universal/ copy)."""
+    tag: str
+    step: int
+    universal: bool
+    """Saved by another world size: loaded through DeepSpeed's universal checkpoint."""
+
+
+class LaunchInfo(BaseModel):
+    """LAUNCH: what `dstrain run` (or `dstrain eval`) decided about this launch, beside the config files."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["train", "eval"] = "train"  # launch.json files written before "mode" existed were training's
+    world_size: int
+    accelerator: Literal["cpu", "cuda"]
+    verbose: bool
+    preset: str | None
+    config_hash: str
+    """The model/data config's hash, stored in each checkpoint so a resume can refuse another config."""
+    dstrain_version: str
+    hang_timeout_s: float
+    """train.hang_timeout_s resolved for the accelerator; 0: no hang detection."""
+    resume: ResumeTarget | None
+    output: str | None = None
+    """mode "eval": the file rank 0 writes the evaluation result to."""
+
+    @classmethod
+    def read(cls, run_dir: Path) -> "LaunchInfo":
+        """LAUNCH of `run_dir`; a UserError naming the file when it is not one this dstrain writes."""
+        from pydantic import ValidationError
+
+        from dstrain.errors import UserError
+        path = Path(run_dir) / LAUNCH
+        try:
+            return cls.model_validate_json(path.read_text())
+        except ValidationError as err:
+            wrong = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(file)'}: {e['msg']}" for e in err.errors())
+            raise UserError.single(f"not a launch file of this dstrain version ({wrong})", str(path),
+                                   "start the run again with `dstrain run` (add --resume latest to continue it)") from None
+
+    def write(self, run_dir: Path) -> None:
+        write_atomic(Path(run_dir) / LAUNCH, self.model_dump_json(indent=2))
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write via a temporary file and rename, so readers see the old or the new content, never half."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -57,7 +107,7 @@ def missing_files(run_dir: Path) -> list[str]:
     return [name for name in RUN_FILES if not (run_dir / name).is_file()]
 
 
-def read(run_dir: Path) -> tuple[Any, dict, dict]:
+def read(run_dir: Path) -> tuple[Any, dict, LaunchInfo]:
     """(RunConfig, DeepSpeed config with its secrets restored, launch info) as a rank needs them."""
     import yaml
 
@@ -69,5 +119,4 @@ def read(run_dir: Path) -> tuple[Any, dict, dict]:
     if secrets_file.exists():  # secrets are kept out of the readable config files
         for path, value in json.loads(secrets_file.read_text()).items():
             set_path(ds_config, path, value)
-    launch = json.loads((run_dir / LAUNCH).read_text())
-    return config, ds_config, launch
+    return config, ds_config, LaunchInfo.read(run_dir)

@@ -1,15 +1,18 @@
 """Helpers for tests that drive real DeepSpeed engines in one rank (CPU and gloo, or one GPU), in a subprocess so its
-process group stays out of the test process: a script starts with ONE_RANK_PREAMBLE (a free port,
-the rank's environment, torch and deepspeed imported, the process group up) and ends by printing
-`result(...)`; run_one_rank returns what it printed."""
+process group stays out of the test process. run_script runs a module of tests/scripts/ with its parameters
+on one rank or more and returns what each printed with result(); run_one_rank runs a short script's text
+after ONE_RANK_PREAMBLE (a free port, the rank's environment, torch and deepspeed imported, the process
+group up), for tests whose few lines read best beside their assertions."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 ONE_RANK_PREAMBLE = textwrap.dedent("""
     import json, os, socket, sys, warnings
@@ -26,32 +29,7 @@ ONE_RANK_PREAMBLE = textwrap.dedent("""
         print("RESULT " + json.dumps(value))
 """)
 
-
-# For scripts that train a small MLP with a real engine: the model (seeded, 6,337 parameters) and a
-# training loop of random inputs, which can put a non-finite value into one micro-step's input.
-# Put it before a script's text: `TINY_MLP + SCRIPT`.
-TINY_MLP = """
-    def tiny_mlp():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
-                                   torch.nn.GELU(), torch.nn.Linear(64, 1))
-
-    def train_tiny_mlp(engine, micro_steps, dtype, device, overflow_at=None):
-        # Backward and step for each micro-step; the global gradient norm after each (DeepSpeed
-        # repeats the last update's between accumulation boundaries).
-        generator = torch.Generator().manual_seed(1)
-        norms = []
-        for micro in range(micro_steps):
-            x = torch.randn(4, 32, generator=generator) * 5
-            if micro == overflow_at:
-                x[0, 0] = float("inf")  # non-finite gradients: DeepSpeed skips this update
-            engine.backward(engine(x.to(device=device, dtype=dtype)).float().pow(2).mean())
-            engine.step()
-            norm = engine.get_global_grad_norm()
-            if norm is not None:
-                norms.append(float(norm))
-        return norms
-"""  # indented as the scripts are: run_one_rank dedents the whole
+TESTS = Path(__file__).parent
 
 
 def rank_env(accelerator: str, extra: dict | None = None) -> dict:
@@ -71,3 +49,32 @@ def run_one_rank(script: str, timeout: float = 600, accelerator: str = "cpu", en
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(line[len("RESULT "):])
+
+
+def _result_of(stdout: str, stderr: str):
+    line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line, stdout[-2000:] + stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def run_script(module: str, params: dict, timeout: float = 600, accelerator: str = "cpu", env: dict | None = None,
+               ranks: int = 1):
+    """Run tests/scripts/<module>.py with `params` on DeepSpeed's CPU accelerator (gloo) or on GPUs (cuda,
+    nccl), with `env` added to the environment: the value it passed to result(), or with ranks > 1 the
+    list of each rank's (the ranks meet on a free port of this host)."""
+    env = rank_env(accelerator, {**(env or {}), "PYTHONPATH": os.pathsep.join(
+        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])})
+    if ranks > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            params = {**params, "world_size": ranks, "port": s.getsockname()[1]}
+    processes = [subprocess.Popen([sys.executable, "-m", f"scripts.{module}", json.dumps({**params, "rank": rank})],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for rank in range(ranks)]
+    try:
+        results = [_result_of(*process.communicate(timeout=timeout)) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    return results if ranks > 1 else results[0]

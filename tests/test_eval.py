@@ -78,3 +78,15 @@ def test_eval_of_an_unknown_tag_exits_2(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     result = CliRunner().invoke(app, ["eval", "--run-dir", str(tmp_path), "--resume", "step00000099"])
     assert result.exit_code == 2 and "no such checkpoint" in result.output
+
+
+@pytest.mark.integration
+def test_eval_of_a_run_whose_launch_json_this_dstrain_cannot_read_exits_2_naming_the_file(trained, tmp_path):
+    import shutil
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    (copy / "launch.json").write_text(json.dumps({"world_size": 2, "accelerator": "cpu"}))
+    result = CliRunner().invoke(app, ["eval", "--run-dir", str(copy)], env={"COLUMNS": "250"})
+    assert result.exit_code == 2, result.output
+    assert f"{copy / 'launch.json'}: not a launch file of this dstrain version" in " ".join(result.output.split())
+    assert "Traceback" not in result.output

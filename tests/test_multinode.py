@@ -124,16 +124,43 @@ def test_slurm_launcher_gets_the_worker_file_since_it_drops_module():
     assert "--module" not in argv and argv[-2].endswith("dstrain/rank/worker.py") and Path(argv[-2]).is_file()
 
 
-def test_no_ssh_runs_one_node_with_a_hostfile_of_the_job_shape_and_a_shared_port(tmp_path):
+def test_no_ssh_starts_this_nodes_launcher_with_the_job_shape_and_a_shared_port(tmp_path):
     run_dir = tmp_path / "r"
     code, output, argv = dry_run("--nodes", "2", "--gpus", "1", "--no-ssh", "--node-rank", "1",
                                  "--master-addr", "10.1.2.3", "--run-dir", str(run_dir))
     assert code == 0, output
-    assert flag(argv, "--node_rank") == "1" and "--no_ssh" in argv and flag(argv, "--master_addr") == "10.1.2.3"
+    assert "deepspeed.launcher.launch" in output and "deepspeed.launcher.runner" not in output
+    assert flag(argv, "--master_addr") == "10.1.2.3" and "--node_rank=1" in argv
     assert flag(argv, "--master_port") == "29500"  # every node must pick the same port without talking
-    assert flag(argv, "--hostfile") == str(run_dir / "hostfile")
+    assert world_info(argv) == {"node0": [0], "node1": [0]}
     assert world_size(output) == 2
-    assert not run_dir.exists()  # --dry-run writes nothing, not even the hostfile
+    assert not run_dir.exists()  # --dry-run writes nothing
+
+
+@pytest.mark.parametrize("node_rank, visible, devices", [("0", "0,1", [0, 1]), ("1", "2,3", [2, 3])])
+def test_no_ssh_nodes_sharing_a_host_take_the_gpus_cuda_visible_devices_gives_each(monkeypatch, node_rank, visible,
+                                                                                   devices):
+    """Two --no-ssh "nodes" of 2 GPUs on one 4-GPU host: DeepSpeed's per-node launcher sets each rank's
+    CUDA_VISIBLE_DEVICES from this node's entry of the world info, so node 1 must list 2,3, not 0,1."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    code, output, argv = dry_run("--nodes", "2", "--gpus", "2", "--no-ssh", "--node-rank", node_rank,
+                                 "--master-addr", "127.0.0.1")
+    assert code == 0, output
+    info = world_info(argv)
+    assert list(info) == ["node0", "node1"] and f"--node_rank={node_rank}" in argv
+    assert info[f"node{node_rank}"] == devices
+    assert sum(len(ids) for ids in info.values()) == world_size(output) == 4
+
+
+def test_no_ssh_with_a_hostfile_names_its_hosts_and_include_keeps_the_chosen_slots():
+    code, output, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--no-ssh", "--node-rank", "1", "--master-addr",
+                                 "worker-0", "--nodes", "2", "--gpus", "4")
+    assert code == 0, output
+    assert world_info(argv) == {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}
+    code, output, argv = dry_run("--hostfile", str(EXAMPLE_HOSTFILE), "--no-ssh", "--node-rank", "0", "--master-addr",
+                                 "worker-0", "--include", "worker-0:0,1@worker-1:4,5")
+    assert code == 0, output
+    assert world_info(argv) == {"worker-0": [0, 1], "worker-1": [4, 5]} and world_size(output) == 4
 
 
 @pytest.mark.parametrize("args, says", [
@@ -197,6 +224,55 @@ def test_deepspeed_backends_build_a_runnable_rank_command(tmp_path, launcher, ex
     assert rank_command[0].endswith(str(run_dir.resolve()))
 
 
+# A pdsh that runs each node's command here, as a remote shell would: with nothing of this process's
+# environment but PATH and HOME, plus the exports DeepSpeed's runner writes into the command, and with
+# DS_ACCELERATOR=cuda as a node's own profile might set it.
+RUNNING_PDSH = """#!{python}
+import os, subprocess, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write("pdsh " + " ".join(args) + "\\n")
+hosts = args[args.index("-w") + 1].split(",")
+command = " ".join(args[args.index("-w") + 2:])
+node_env = {{"PATH": os.environ["PATH"], "HOME": os.environ["HOME"], "DS_ACCELERATOR": "cuda"}}
+nodes = [subprocess.Popen(["sh", "-c", command.replace("%n", str(i))], env=node_env) for i in range(len(hosts))]
+sys.exit(max(node.wait() for node in nodes))
+"""
+
+
+@pytest.mark.integration
+def test_pdsh_nodes_train_on_the_run_directorys_settings_not_their_environment(tmp_path):
+    """What reaches another node through pdsh is the command line, the variables DeepSpeed's runner
+    exports (PYTHON*, NCCL*, ...) and the shared run directory: no DS_ACCELERATOR, no DSTRAIN_*. Two
+    "nodes" on this machine, each started with only that (and a DS_ACCELERATOR of its own that says
+    cuda), train the run on the accelerator launch.json names."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "ssh").write_text(FAKE_TOOL)
+    (tools / "pdsh").write_text(RUNNING_PDSH.format(python=sys.executable))
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    hostfile, log, run_dir = tmp_path / "hostfile", tmp_path / "calls.log", tmp_path / "run"
+    hostfile.write_text("worker-0 slots=1\nworker-1 slots=1\n")
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log),
+           "DSTRAIN_EXAMPLE_SWITCH": "0"}
+    args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--hostfile", str(hostfile), "--launcher", "pdsh",
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--run-dir", str(run_dir)]
+    for item in (*TINY, "train.max_steps=2", "train.log_every=1", "train.eval_every=2", "train.save_every=2"):
+        args += ["--set", item]
+    result = subprocess.run([sys.executable, "-m", "dstrain.cli", *args], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert_ok(result)
+    pdsh = log.read_text().splitlines()[-1]
+    exported = {part.split("=")[0] for part in pdsh.split("export ")[1:]}
+    assert exported and all(name.startswith(("PYTHON", "MLFLOW", "MV2", "UCX", "NCCL")) for name in exported), pdsh
+    assert "--node_rank=%n" in pdsh and pdsh.endswith(str(run_dir.resolve()))
+    assert json.loads((run_dir / "launch.json").read_text())["accelerator"] == "cpu"
+    assert sorted(losses(run_dir)) == [1, 2]
+    records = {p.name: p.read_text() for p in (run_dir / "ranks").iterdir()}
+    assert records["rank0.exit"] == records["rank1.exit"] == "ok"
+
+
 # ---------------------------------------------------------------------------------------
 # A real 2-node job on one machine
 
@@ -226,6 +302,7 @@ def free_port() -> int:
 
 
 @pytest.mark.integration
+@pytest.mark.oldest_deepspeed
 def test_two_nodes_with_one_rank_each_train_exactly_like_one_node_with_two_ranks(tmp_path):
     shared = tmp_path / "two_nodes"  # one run directory, as on a shared filesystem
     port = str(free_port())

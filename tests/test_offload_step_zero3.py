@@ -2,93 +2,16 @@
 in chunks and each gradient copied to the host once (in bf16 where the weights and the gradient
 accumulation are bf16) trains bit for bit as DeepSpeed's own step and copies
 (real engines, DeepSpeedCPUAdam, one rank in a subprocess so its process group stays out of the test
-process). Integration lane: DeepSpeed start-up and the CPU Adam op."""
+process: tests/scripts/offload_step_zero3.py). Integration lane: DeepSpeed start-up and the CPU Adam op."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from one_rank import TINY_MLP, run_one_rank
+from one_rank import run_script
 
 pytestmark = pytest.mark.integration
-
-SCRIPT = TINY_MLP + """
-    import time
-    from dstrain.config.schema import SpeedupsConfig
-    from dstrain.speedups import apply, state_of
-    CHANGES = ("offload_chunks_zero3", "offload_grads_zero3", "offload_bf16_grads_zero3")
-
-    device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
-
-    class SlowAdam:
-        # DeepSpeed's CPU Adam op, each call 3 ms late: the overlapped step is still running when the
-        # next forward gathers its first parameters, so the test sees the waits do their work.
-        def __init__(self, op):
-            self.op = op
-
-        def adam_update(self, *args):
-            time.sleep(0.003)
-            return self.op.adam_update(*args)
-
-        def adam_update_tiles(self, *args):
-            time.sleep(0.003)
-            return self.op.adam_update_tiles(*args)
-
-        def __getattr__(self, name):
-            return getattr(self.op, name)
-
-    def train(precision, accum, clip, offload_param, variant, overflow_at=None, accum_dtype=None):
-        model = tiny_mlp()  # 6,337 parameters
-        pin = device == "cuda"
-        zero = {"stage": 3, "sub_group_size": 4000,  # two sub-groups: 4,224 and 2,113 elements
-                # PERSIST 100: the biases and the last layer's weight stay gathered between steps
-                "stage3_param_persistence_threshold": PERSIST,
-                "offload_optimizer": {"device": "cpu", "pin_memory": pin}}
-        if offload_param:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,
-                  "gradient_clipping": clip, "zero_optimization": zero,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
-        if precision == "bf16":
-            config["bf16"] = {"enabled": True, "check_grad_overflow": overflow_at is not None}
-        if accum_dtype:
-            config["data_types"] = {"grad_accum_dtype": accum_dtype}
-        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-        # chunks of 1,024: each sub-group in several, the last one short
-        applied = None
-        if variant != "deepspeed":  # gpu_rounding: the bf16 rounding off the Adam pass, on the GPU if any
-            settings = SpeedupsConfig(offload_chunk_elements=1024, offload_host_rounding=variant != "gpu_rounding")
-            done = apply(engine, settings, only=CHANGES + ("offload_host_rounding",)).applied
-            applied = [name in done for name in CHANGES]
-        if variant == "overlap":
-            applied.append("offload_overlap" in apply(engine, settings, only=("offload_overlap",)).applied)
-            state_of(engine).overlap.adam_op = SlowAdam(state_of(engine).overlap.adam_op)
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)
-        optimizer = engine.optimizer
-        overlap = getattr(state_of(engine), "overlap", None)
-        if overlap is not None:
-            overlap.drain()  # the last step's update: read below
-        masters = torch.cat([m.detach().flatten() for m in optimizer.fp32_partitioned_groups_flat]).tolist()
-        bit16 = torch.cat([f.detach().float().flatten().cpu() for f in optimizer.fp16_partitioned_groups_flat]).tolist()
-        return {"applied": applied, "norms": norms, "masters": masters, "bit16": bit16,
-                "sub_groups": len(optimizer.fp16_groups), "skipped": engine.skipped_steps,
-                # DeepSpeed's host copy of the gradient partitions: the direct copy leaves it unwritten
-                "host_buffer_written": bool(optimizer.grad_partitions_flat_buffer.abs().sum() > 0),
-                "pinned": all(m.is_pinned() for m in optimizer.fp32_partitioned_groups_flat),
-                "rounded_by_adam": getattr(state_of(engine), "round_op", None) is not None,
-                "persistent": len(optimizer.persistent_parameters),
-                "overlapped_steps": overlap.steps if overlap else None, "waits": overlap.waits if overlap else None}
-
-    out = {}
-    for precision, accum, clip, offload_param, overflow_at, accum_dtype in CASES:
-        key = f"{precision}-{accum}-clip{clip}" + ("-offload_param" if offload_param else "") + (
-            "-overflow" if overflow_at is not None else "") + (f"-accum_{accum_dtype}" if accum_dtype else "")
-        out[key] = {name: train(precision, accum, clip, offload_param, name, overflow_at, accum_dtype)
-                    for name in ("deepspeed",) + VARIANTS}
-    result(out)
-"""
 
 # A clip of 0.05 is below every norm here (each step clips); 100 is above them (factor 1: no multiply).
 # Accumulation 2 takes DeepSpeed's gradient copies at each micro-step (the direct copy is for a step's only
@@ -98,8 +21,8 @@ CPU_CASES = (("bf16", 1, 0.05, True, None, None), ("fp32", 2, 0.05, True, None, 
              ("bf16", 1, 0.05, True, None, "fp32"))
 
 
-def _script(cases, variants: tuple = ("dstrain",), persist: int = 0) -> str:
-    return f"    CASES = {cases!r}\n    VARIANTS = {variants!r}\n    PERSIST = {persist!r}\n" + SCRIPT
+def _params(cases, variants: tuple = ("dstrain",), persist: int = 0) -> dict:
+    return {"cases": cases, "variants": variants, "persist": persist}
 
 
 def _assert_bit_identical(out: dict, on_gpu: bool, variant: str = "dstrain") -> None:
@@ -128,7 +51,7 @@ def _assert_bit_identical(out: dict, on_gpu: bool, variant: str = "dstrain") -> 
 def test_zero3_offload_step_in_chunks_and_direct_grads_are_bit_identical_to_deepspeeds():
     """The new weights rounded to bf16 by dstrain's Adam op in its pass, from bf16 gradients and (fp32
     accumulation) fp32 ones, with and without clipping; and, switched off, in a pass of their own."""
-    out = run_one_rank(_script(CPU_CASES, ("dstrain", "gpu_rounding")))
+    out = run_script("offload_step_zero3", _params(CPU_CASES, ("dstrain", "gpu_rounding")))
     _assert_bit_identical(out, on_gpu=False)
     _assert_bit_identical(out, on_gpu=False, variant="gpu_rounding")
 
@@ -139,7 +62,7 @@ def test_zero3_offload_step_on_a_gpu_is_bit_identical_to_deepspeeds_step():
     (parameter offload) or stay in the GPU partition (optimizer offload alone)."""
     cases = (("bf16", 1, 0.05, True, None, None), ("bf16", 2, 0.05, True, None, None),
              ("bf16", 1, 100.0, False, None, None), ("bf16", 1, 0.05, True, None, "fp32"))
-    out = run_one_rank(_script(cases, ("dstrain", "gpu_rounding")), accelerator="cuda")
+    out = run_script("offload_step_zero3", _params(cases, ("dstrain", "gpu_rounding")), accelerator="cuda")
     _assert_bit_identical(out, on_gpu=True)
     _assert_bit_identical(out, on_gpu=True, variant="gpu_rounding")
 
@@ -161,42 +84,12 @@ def _assert_overlapped(out: dict, on_gpu: bool) -> None:
 def test_zero3_offload_step_beside_the_next_forward_is_bit_identical_to_deepspeeds():
     """offload_overlap_zero3.py: the step's chunks on a worker thread, slowed down, while the next forward
     gathers each parameter only once its chunks have landed: the same weights and norms as DeepSpeed's."""
-    _assert_overlapped(run_one_rank(_script(OVERLAP_CASES, ("overlap",), persist=100)), on_gpu=False)
+    _assert_overlapped(run_script("offload_step_zero3", _params(OVERLAP_CASES, ("overlap",), persist=100)), on_gpu=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the worker queues its copies on a CUDA stream")
 def test_zero3_offload_step_beside_the_next_forward_on_a_gpu_is_bit_identical_to_deepspeeds():
-    _assert_overlapped(run_one_rank(_script(OVERLAP_CASES, ("overlap",), persist=100), accelerator="cuda"), on_gpu=True)
-
-
-GIL_SCRIPT = """
-    import sys, threading, time
-    from deepspeed.ops.op_builder import CPUAdamBuilder
-    from dstrain.speedups.cpu_adam_nogil import load_adam_without_gil
-
-    sys.setswitchinterval(0.001)  # a thread that waits for the GIL gets it back within about 1 ms
-    n = 1 << 25
-    tensors = [torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)]
-
-    def longest_pause(op, opt_id):
-        # The training thread's longest pause, in seconds, while another thread runs three updates, and
-        # how long one update takes on this thread (the pause a held GIL causes; it depends on the host).
-        op.create_adam(opt_id, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
-        op.adam_update(opt_id, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, *tensors)  # warm: threads, caches
-        started = time.perf_counter()
-        op.adam_update(opt_id, 2, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, *tensors)
-        one_update = time.perf_counter() - started
-        worker = threading.Thread(target=lambda: [op.adam_update(opt_id, s, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, *tensors)
-                                                  for s in (3, 4, 5)])
-        last, longest = time.perf_counter(), 0.0
-        worker.start()
-        while worker.is_alive():
-            now = time.perf_counter()
-            longest, last = max(longest, now - last), now
-        return longest, one_update
-
-    result({"deepspeed": longest_pause(CPUAdamBuilder().load(), 90), "dstrain": longest_pause(load_adam_without_gil(), 91)})
-"""
+    _assert_overlapped(run_script("offload_step_zero3", _params(OVERLAP_CASES, ("overlap",), persist=100), accelerator="cuda"), on_gpu=True)
 
 
 def test_the_worker_threads_adam_kernel_leaves_the_gil_to_the_training_thread():
@@ -205,7 +98,7 @@ def test_the_worker_threads_adam_kernel_leaves_the_gil_to_the_training_thread():
     # The kernel on one OpenMP thread, so that a core is left for the training thread: on two cores an
     # update on both starves it whether or not the GIL is held (9 ms pauses in one CI run), and this
     # test is about the GIL.
-    pauses = run_one_rank(GIL_SCRIPT, env={"OMP_NUM_THREADS": "1"})
+    pauses = run_script("adam_gil", {}, env={"OMP_NUM_THREADS": "1"})
     (deepspeed_pause, deepspeed_update), (dstrain_pause, dstrain_update) = pauses["deepspeed"], pauses["dstrain"]
     # a 32M-element update on one thread takes tens of ms; with the GIL held the training thread stops
     # for most of one, with it released only for about the switch interval

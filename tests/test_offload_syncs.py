@@ -1,7 +1,7 @@
 """dstrain/speedups/offload_syncs.py and offload_chunked_step.py: the ZeRO-1/2 CPU-offload optimizer without its
 per-parameter waits, with its step done in chunks, and with bf16 gradients sent to the host (bf16
-weights), trains exactly as DeepSpeed's own (real engines,
-DeepSpeedCPUAdam, one CPU rank, in a subprocess so its process group stays out of the test process).
+weights), trains exactly as DeepSpeed's own (real engines, DeepSpeedCPUAdam, one CPU rank, in a
+subprocess so its process group stays out of the test process: tests/scripts/offload_syncs.py).
 Integration lane: DeepSpeed start-up and the CPU Adam op."""
 
 from __future__ import annotations
@@ -9,57 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from one_rank import TINY_MLP, run_one_rank
+from one_rank import run_script
 
 pytestmark = pytest.mark.integration
-
-SCRIPT = TINY_MLP + """
-    from dstrain.config.schema import SpeedupsConfig
-    from dstrain.speedups import apply, state_of
-
-    device = "cuda" if os.environ["DS_ACCELERATOR"] == "cuda" else "cpu"
-
-    def train(stage, precision, accum, clip, patches, overflow_at=None):
-        model = tiny_mlp()
-        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,
-                  "gradient_clipping": clip,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-                  "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": device == "cuda"}}}
-        if precision == "bf16":  # as dstrain renders bf16, or with the overflow check on
-            config["bf16"] = {"enabled": True, "check_grad_overflow": overflow_at is not None}
-        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-        applied = {}
-        if "syncs" in patches:
-            applied["syncs"] = "offload_syncs" in apply(engine, only=("offload_syncs",)).applied
-        if "chunks" in patches:  # chunks of 1,024: the 6,337 weights in seven, the last one short
-            settings = SpeedupsConfig(offload_chunk_elements=1024)
-            applied["chunks"] = "offload_chunks" in apply(engine, settings, only=("offload_chunks",)).applied
-        if "bf16" in patches:  # chunks of 4,096 in tiles of 1,024: two chunks, the last chunk and tile short
-            settings = SpeedupsConfig(offload_chunk_elements=4096)
-            done = apply(engine, settings, only=("offload_chunks", "offload_bf16_grads")).applied
-            applied["chunks"], applied["bf16"] = "offload_chunks" in done, "offload_bf16_grads" in done
-            if applied["bf16"]:
-                state_of(engine).bf16_grads = (state_of(engine).bf16_grads[0], 1024)
-        tracker = engine.optimizer.update_offload_overflow_tracker
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)
-        weights = torch.cat([p.detach().float().flatten() for p in engine.module.parameters()]).tolist()
-        return {"applied": applied, "tracker_patched": getattr(tracker, "__name__", "") == "_no_overflow_tracking",
-                "norms": norms, "weights": weights, "skipped": engine.skipped_steps,
-                "pinned": engine.optimizer.single_partition_of_fp32_groups[0].is_pinned()}
-
-    out = {}
-    cases = CASES
-    # A clip of 0.05 is below every norm here (each step clips, with the norm computed); 100 is above
-    # them (the unscale factor is 1: no multiply).
-    for stage, precision, accum, clip, overflow_at in cases:
-        key = f"{stage}-{precision}-{accum}-clip{clip}" + ("-overflow" if overflow_at is not None else "")
-        out[key] = {name: train(stage, precision, accum, clip, patches, overflow_at)
-                    for name, patches in (("deepspeed", ()), ("syncs", ("syncs",)), ("dstrain", ("syncs", "chunks")),
-                                          ("bf16", ("syncs", "bf16")))}
-    result(out)
-"""
-
 
 ALL_CASES = ((2, "fp32", 1, 0.05, None), (1, "fp32", 2, 0.05, None), (2, "bf16", 1, 0.05, None),
              (2, "fp32", 1, 100.0, None), (2, "bf16", 1, 0.05, 1), (1, "bf16", 2, 0.05, None),
@@ -68,7 +20,7 @@ ALL_CASES = ((2, "fp32", 1, 0.05, None), (1, "fp32", 2, 0.05, None), (2, "bf16",
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_one_rank(f"    CASES = {ALL_CASES!r}\n" + SCRIPT)
+    return run_script("offload_syncs", {"cases": ALL_CASES})
 
 
 def test_offload_optimizer_without_per_parameter_syncs_trains_as_deepspeeds_own(runs):
@@ -108,7 +60,7 @@ def test_bf16_gradients_on_the_host_give_deepspeeds_weights_bit_for_bit(runs):
 def test_offload_step_on_a_gpu_is_bit_identical_to_deepspeeds_step():
     """On a GPU the chunked step sends fp32 chunks and rounds them to bf16 on the device (pinned weights)."""
     cases = ((2, "bf16", 1, 0.05, None), (1, "bf16", 2, 0.05, None), (2, "bf16", 1, 100.0, None))
-    out = run_one_rank(f"    CASES = {cases!r}\n" + SCRIPT, accelerator="cuda")
+    out = run_script("offload_syncs", {"cases": cases}, accelerator="cuda")
     for key, by_patch in out.items():
         assert by_patch["dstrain"]["applied"] == {"syncs": True, "chunks": True}, key
         assert by_patch["dstrain"]["pinned"], key  # so the fp32 chunks go to the GPU and are rounded there

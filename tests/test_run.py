@@ -23,7 +23,8 @@ def _nvme_sets(preset: str, run_dir) -> tuple[str, ...]:
             f"deepspeed.zero_optimization.offload_optimizer.nvme_path={path}")
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.oldest_deepspeed) if p == "stage2" else p
+                                    for p in PRESETS])
 def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(tmp_path, preset):
     run_dir = tmp_path / preset
     sets = ("train.max_steps=4", "train.save_every=2", "train.log_every=1", *_nvme_sets(preset, run_dir))
@@ -55,6 +56,7 @@ def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(tmp_path, preset
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step00000006"
 
 
+@pytest.mark.oldest_deepspeed
 def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
     interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
     # A constant schedule after warmup: a cosine decay would (rightly) change shape with max_steps.
@@ -95,6 +97,7 @@ def test_the_default_job_loss_falls(tmp_path):
     assert "batch: micro 4 x grad accum 1 x world 2 = 8 sequences" in result.stdout
 
 
+@pytest.mark.oldest_deepspeed
 def test_resume_with_another_world_size_goes_through_a_universal_checkpoint(tmp_path):
     """Saved by 2 ranks, resumed by 1 (same global batch: accum 2) and by 2: both continue alike."""
     base = tmp_path / "base"

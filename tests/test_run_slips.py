@@ -53,6 +53,14 @@ def test_a_warmup_as_long_as_the_run_is_one_warning_with_the_fix():
     assert not [w for w in quiet.warnings if "warmup" in w]
 
 
+def _launch_info(resolved):
+    """launch.json of a 2-rank CPU run of `resolved`, as `dstrain run` writes it."""
+    from dstrain import __version__
+    from dstrain.rundir import LaunchInfo
+    return LaunchInfo(world_size=2, accelerator="cpu", verbose=False, preset=resolved.preset,
+                      config_hash=resolved.config_hash(), dstrain_version=__version__, hang_timeout_s=0, resume=None)
+
+
 def test_resume_without_config_continues_with_the_run_directorys_own_config(llama_dir, tmp_path, monkeypatch):
     from dstrain.launcher.run_directory import write_run_dir
     run_dir = tmp_path / "run"
@@ -60,7 +68,7 @@ def test_resume_without_config_continues_with_the_run_directorys_own_config(llam
     started = resolve("stage3", None, [f"model.name=hf:{llama_dir}", "data.tokenizer=byte", "data.seq_len=16",
                                        "train.micro_batch_size=2", "train.lr=0.005", "model.lora={r: 4}"],
                       world_size=2, accelerator="cpu", env={})
-    write_run_dir(run_dir, started, {"world_size": 2})
+    write_run_dir(run_dir, started, _launch_info(started))
     code, output = cli(tmp_path, monkeypatch, "run", "--dry-run", "--accelerator", "cpu", "--gpus", "2",
                        "--run-dir", str(run_dir), "--resume", "auto", "--set", "train.max_steps=300")
     assert code == 0, output
@@ -73,8 +81,8 @@ def test_resume_with_a_config_of_its_own_keeps_it(tmp_path, monkeypatch):
     from dstrain.launcher.run_directory import write_run_dir
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    write_run_dir(run_dir, resolve("stage3", None, ["train.micro_batch_size=2"], world_size=2, accelerator="cpu",
-                                   env={}), {"world_size": 2})
+    started = resolve("stage3", None, ["train.micro_batch_size=2"], world_size=2, accelerator="cpu", env={})
+    write_run_dir(run_dir, started, _launch_info(started))
     code, output = cli(tmp_path, monkeypatch, "run", "--dry-run", "--accelerator", "cpu", "--gpus", "2",
                        "--run-dir", str(run_dir), "--resume", "auto", "--preset", "stage2")
     assert code == 0, output

@@ -1,5 +1,6 @@
-"""dstrain/speedups/: the registry's version check on a real engine, and the config's `speedups:` section
-reaching the ranks through the frozen config (integration lane: DeepSpeed start-up, real ranks)."""
+"""dstrain/speedups/: the registry's version check on a real engine (tests/scripts/speedups_version.py), and
+the config's `speedups:` section reaching the ranks through the frozen config (integration lane: DeepSpeed
+start-up, real ranks)."""
 
 from __future__ import annotations
 
@@ -7,38 +8,15 @@ import pytest
 import yaml
 
 from launcher import assert_ok, losses, run_tiny
-from one_rank import TINY_MLP, run_one_rank
+from one_rank import run_script
 
 pytestmark = pytest.mark.integration
-
-VERSION_SCRIPT = TINY_MLP + """
-    import warnings
-    from deepspeed.runtime.zero import stage3
-    from dstrain import speedups
-
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
-
-    def build(version):
-        defragment = []
-        with speedups.building_engine(deepspeed_version=version):
-            defragment.append(stage3.defragment.__module__)
-            engine, *_ = deepspeed.initialize(model=tiny_mlp(), config=config)
-        report = speedups.apply(engine, deepspeed_version=version)
-        optimizer = engine.optimizer
-        stock = all(getattr(getattr(optimizer, name), "__func__", None) is getattr(type(optimizer), name)
-                    for name in ("step", "partition_grads"))
-        return {"applied": report.applied, "lines": report.lines(), "not_applied": sorted(report.not_applied),
-                "stock": stock, "defragment": defragment[0], "norms": train_tiny_mlp(engine, 3, torch.float32, "cpu")}
-
-    result({"old": build("0.18.0"), "verified": build(None)})
-"""
 
 
 def test_a_deepspeed_outside_the_verified_versions_trains_stock_with_one_warning():
     from dstrain.speedups import REGISTRY
 
-    out = run_one_rank(VERSION_SCRIPT)
+    out = run_script("speedups_version", {})
     old, verified = out["old"], out["verified"]
     assert old["applied"] == [] and old["stock"] is True
     assert old["not_applied"] == sorted(entry.name for entry in REGISTRY)

@@ -7,6 +7,7 @@ import csv
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,3 +160,38 @@ def test_a_tracker_whose_package_is_missing_stops_the_dry_run_with_exit_2_and_th
     assert "train.log_to (from --set): wandb is not installed" in result.output
     assert "pip install 'dstrain[wandb]'" in result.output and "Traceback" not in result.output
     assert not run_dir.exists()
+
+
+def test_a_user_tracker_class_that_lacks_the_tracker_methods_stops_the_dry_run_with_exit_2(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+    from dstrain.cli import app
+    monkeypatch.chdir(Path(__file__).parent / "user_code")  # entry points import from where dstrain runs
+    result = CliRunner().invoke(app, ["run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2", "--run-dir",
+                                      str(tmp_path / "run"), "--set", "train.log_to=[csv,usermods:NotATracker]",
+                                      "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert "train.log_to (from --set): tracker usermods:NotATracker lacks log_metrics, log_event, close" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_an_unknown_tracker_name_is_refused_with_the_names_to_use(tmp_path):
+    from typer.testing import CliRunner
+    from dstrain.cli import app
+    result = CliRunner().invoke(app, ["config", "--preset", "stage2", "--set", "train.log_to=[tensorbord]"])
+    assert result.exit_code == 2, result.output
+    assert "unknown tracker 'tensorbord': use tensorboard, wandb, csv, or your own class as 'module:Class'" \
+        in result.output
+
+
+def test_open_trackers_opens_a_user_tracker_class_named_module_colon_class(tmp_path, monkeypatch):
+    monkeypatch.chdir(Path(__file__).parent / "user_code")
+    trackers = open_trackers(["usermods:JsonLinesTracker"], tmp_path, {"train.lr": 0.5}, 0)
+    metrics = _metrics_log(tmp_path, trackers)
+    metrics.start(0)
+    metrics.log_step(1, 5.0, 1e-3, elapsed=0.5, steps=1)
+    metrics.rewind(0)  # a tracker without rewind: nothing to do, and it stays on
+    metrics.close()
+    records = [json.loads(line) for line in (tmp_path / "user_tracker.jsonl").read_text().splitlines()]
+    assert records[0] == {"opened_at": 0, "lr": 0.5}
+    assert records[1]["step"] == 1 and records[1]["loss"] == 5.0
+    assert records[-1] == {"closed": True} and metrics.trackers == trackers

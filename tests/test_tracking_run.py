@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +62,22 @@ def test_a_tracked_run_fills_tensorboard_csv_wandb_prints_its_summary_and_report
     assert report.returncode == 0, report.stderr
     assert (run_dir / "report.html").is_file() and (run_dir / "report-grad_norm.png").is_file()
     assert "step00000004" in report.stdout
+
+
+def test_a_user_tracker_class_in_log_to_gets_what_metrics_jsonl_gets(tmp_path, monkeypatch):
+    """train.log_to: usermods:JsonLinesTracker (tests/user_code/usermods.py, a class written as a user would):
+    rank 0 opens it with the run's hyper-parameters, sends it each logged step and evaluation, closes it."""
+    monkeypatch.chdir(Path(__file__).parent / "user_code")  # entry points import from where dstrain runs
+    run_dir = tmp_path / "run"
+    result = run_tiny(run_dir, "stage2", "train.max_steps=4", "train.log_every=2", "train.eval_every=4",
+                      "train.save_every=4", "train.warmup_steps=1", "train.lr=0.002",
+                      "train.log_to=[usermods:JsonLinesTracker]")
+    assert_ok(result)
+    records = [json.loads(line) for line in (run_dir / "user_tracker.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[0] == {"opened_at": 0, "lr": 0.002}
+    assert [(r["step"], r["loss"]) for r in records if "loss" in r] == \
+        [(r["step"], r["loss"]) for r in logged if "loss" in r]
+    assert [r["step"] for r in records if "loss" in r] == [2, 4]
+    assert [r["step"] for r in records if "eval_loss" in r] == [4]
+    assert records[-1] == {"closed": True}

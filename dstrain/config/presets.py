@@ -17,11 +17,12 @@ def presets_dir() -> Path:
     """Where the preset YAML files are: the installed package data, or presets/ of a source checkout
     (an editable install maps only the top-level package, so `dstrain.presets` is not importable there)."""
     try:
-        found = Path(str(resources.files("dstrain.presets")))
+        files = resources.files("dstrain.presets")
     except ModuleNotFoundError:
-        found = None
-    # a folder without __init__.py (a symlinked checkout) is a namespace package, whose files() is not a path
-    return found if found is not None and found.is_dir() else Path(__file__).resolve().parents[2] / "presets"
+        return Path(__file__).resolve().parents[2] / "presets"
+    # A folder without __init__.py (presets/ linked into a checkout as dstrain/presets) is a namespace
+    # package: importlib gives a MultiplexedPath, whose str() is its repr, not a path.
+    return files if isinstance(files, Path) else Path(str(files.joinpath(PRESET_ORDER[0] + ".yaml"))).parent
 
 
 def normalize(name: str) -> str:

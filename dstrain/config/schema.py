@@ -7,12 +7,14 @@ checked against DeepSpeed's own key names and models in `deepspeed_keys` / `deep
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, NonNegativeFloat, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, field_validator,
                       model_validator)
 
 
+BUILTIN_TRACKERS = ("tensorboard", "wandb", "csv")  # train.log_to names besides a user's "module:Class"
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # torch's Adam rejects betas outside [0, 1)
 
 
@@ -229,11 +231,23 @@ class TrainConfig(Section):
     """Seed for model init, data order and dropout; the same seed gives the same run."""
     log_every: PositiveInt = 10
     """Log loss, lr and throughput every this many steps (console and metrics.jsonl)."""
-    log_to: list[Literal["tensorboard", "wandb", "csv"]] = []
+    log_to: list[str] = []
     """Trackers that also get every logged metric, event and (tensorboard, wandb) the resolved config as
     hyper-parameters, next to metrics.jsonl: "tensorboard" (RUN_DIR/tensorboard; pip install
     'dstrain[tensorboard]'), "wandb" (RUN_DIR/wandb; WANDB_PROJECT, WANDB_MODE=offline are honoured;
-    pip install 'dstrain[wandb]'), "csv" (RUN_DIR/metrics.csv). Several at once: [tensorboard, csv]."""
+    pip install 'dstrain[wandb]'), "csv" (RUN_DIR/metrics.csv), or your own class as "module:Class",
+    imported like model.name: Class(run_dir, hparams, start_step) with log_metrics(step, values),
+    log_event(step, kind, fields), close() and optionally rewind(step) (see dstrain/rank/trackers.py).
+    Several at once: [tensorboard, csv]."""
+
+    @field_validator("log_to")
+    @classmethod
+    def _known_trackers(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if name not in BUILTIN_TRACKERS and not re.fullmatch(r"[\w.]+:\w+", name):
+                raise ValueError(f"unknown tracker {name!r}: use {', '.join(BUILTIN_TRACKERS)}, or your own "
+                                 "class as 'module:Class'")
+        return names
     eval_every: PositiveInt = 100
     """Evaluate on the held-out split every this many steps, and at the end."""
     eval_batches: PositiveInt | None = None

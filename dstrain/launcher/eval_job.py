@@ -13,7 +13,6 @@ result, with how many samples and examples it covered, and writes RUN_DIR/eval.j
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -27,8 +26,8 @@ from dstrain.launcher.options import LaunchOptions
 from dstrain.launcher.ownership import acquire
 from dstrain.launcher.runner import rank_env, runner_command
 from dstrain.launcher.supervise import supervise
-from dstrain.launcher.topology import free_port
-from dstrain.rundir import CONFIG, DS_CONFIG, LAUNCH, RANKS, SECRETS, missing_files, write_atomic
+from dstrain.launcher.topology import JobShape, free_port
+from dstrain.rundir import CONFIG, DS_CONFIG, RANKS, SECRETS, LaunchInfo, ResumeTarget, missing_files, write_atomic
 
 EVAL_DIR = "eval"
 RESULT = "eval.json"
@@ -45,12 +44,12 @@ def evaluate_run(run_dir: Path, resume: str, accelerator: str, verbose: bool) ->
     if accelerator not in ("auto", "cuda", "cpu"):
         raise UserError.single(f"unknown accelerator {accelerator!r}", "--accelerator", "use auto, cuda or cpu")
     found, notes = find_resume(resume, run_dir)
-    saved = json.loads((run_dir / LAUNCH).read_text())
+    saved = LaunchInfo.read(run_dir)
     acc = _check_target(run_dir, resume, found, saved, accelerator)
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")
-    if acc != saved["accelerator"]:
-        console.print(f"[yellow]note:[/] the run trained with accelerator {saved['accelerator']}; evaluating on {acc}")
+    if acc != saved.accelerator:
+        console.print(f"[yellow]note:[/] the run trained with accelerator {saved.accelerator}; evaluating on {acc}")
 
     eval_dir = run_dir / EVAL_DIR
     eval_dir.mkdir(exist_ok=True)
@@ -64,35 +63,36 @@ def evaluate_run(run_dir: Path, resume: str, accelerator: str, verbose: bool) ->
         lock.release()
 
 
-def _launch_eval(run_dir: Path, eval_dir: Path, found: CompleteCheckpoint, saved: dict, acc: str, verbose: bool,
+def _launch_eval(run_dir: Path, eval_dir: Path, found: CompleteCheckpoint, saved: LaunchInfo, acc: str, verbose: bool,
                  console: Console) -> int:
     world = found.world_size
     _write_eval_dir(run_dir, eval_dir, found, saved, acc, verbose)
     train = yaml.safe_load((run_dir / CONFIG).read_text())["train"]
-    console.print(f"evaluating {found.tag} (step {found.step}) of {run_dir}: preset {saved.get('preset') or '(none)'}, "
+    console.print(f"evaluating {found.tag} (step {found.step}) of {run_dir}: preset {saved.preset or '(none)'}, "
                   f"{world} ranks on {acc}, " + (f"up to {train['eval_batches']} x {train['global_batch_size']} held-out "
                                                   "samples" if train.get("eval_batches") else "the held-out split") +
                   ", each once",
                   soft_wrap=True)
     options = LaunchOptions(gpus=world, nodes=1, accelerator=acc, verbose=verbose)
-    command = runner_command(options, world, 1, eval_dir, free_port())
+    shape = JobShape(ranks=world, nodes=1, hosts=None, active={"localhost": world}, own_ranks=None)
+    command = runner_command(options, shape, eval_dir, free_port())
     code = supervise(command, rank_env(acc, world), eval_dir, verbose, console,
-                     hang_timeout_s=saved.get("hang_timeout_s", 0))
+                     hang_timeout_s=saved.hang_timeout_s)
     if code == 0 and not (run_dir / RESULT).is_file():
         console.print(f"[bold red]evaluation failed[/]: the ranks ended without writing {run_dir / RESULT}")
         return 1
     return code
 
 
-def _check_target(run_dir: Path, resume: str, found: CompleteCheckpoint, saved: dict, accelerator: str) -> str:
+def _check_target(run_dir: Path, resume: str, found: CompleteCheckpoint, saved: LaunchInfo, accelerator: str) -> str:
     """Refuse a checkpoint of another config or more ranks than GPUs; returns the accelerator to use."""
     mark_hash = found.mark.get("config_hash")
-    if mark_hash and saved.get("config_hash") and mark_hash != saved["config_hash"]:
+    if mark_hash and mark_hash != saved.config_hash:
         raise UserError.single(f"checkpoint {found.tag} was saved with a different model/data config than "
                                f"{run_dir / CONFIG}", f"--resume {resume}",
                                "evaluate it from the run directory it was trained in")
     # "auto" means the run's own accelerator: its ds_config.json was rendered for it.
-    acc = saved["accelerator"] if accelerator == "auto" else resolve_accelerator(accelerator)
+    acc = saved.accelerator if accelerator == "auto" else resolve_accelerator(accelerator)
     world = found.world_size
     if acc == "cuda" and cuda_gpu_count() < world:
         raise UserError.single(f"checkpoint {found.tag} was saved by {world} ranks; this machine has "
@@ -101,7 +101,7 @@ def _check_target(run_dir: Path, resume: str, found: CompleteCheckpoint, saved: 
     return acc
 
 
-def _write_eval_dir(run_dir: Path, eval_dir: Path, found: CompleteCheckpoint, saved: dict, acc: str,
+def _write_eval_dir(run_dir: Path, eval_dir: Path, found: CompleteCheckpoint, saved: LaunchInfo, acc: str,
                     verbose: bool) -> None:
     """RUN_DIR/eval/: the run's config files and a launch.json in eval mode; the run's own files stay."""
     (eval_dir / RANKS).mkdir(parents=True, exist_ok=True)
@@ -112,8 +112,7 @@ def _write_eval_dir(run_dir: Path, eval_dir: Path, found: CompleteCheckpoint, sa
     if (run_dir / SECRETS).exists():
         shutil.copyfile(run_dir / SECRETS, eval_dir / SECRETS)
         (eval_dir / SECRETS).chmod(0o600)
-    launch_info = {**saved, "mode": "eval", "verbose": verbose, "world_size": found.world_size, "accelerator": acc,
-                   "resume": {"directory": str(found.directory.resolve()), "tag": found.tag, "step": found.step},
-                   "output": str((run_dir / RESULT).resolve())}
-    write_atomic(eval_dir / LAUNCH, json.dumps(launch_info, indent=2))
+    target = ResumeTarget(directory=str(found.directory.resolve()), tag=found.tag, step=found.step, universal=False)
+    saved.model_copy(update={"mode": "eval", "verbose": verbose, "world_size": found.world_size, "accelerator": acc,
+                             "resume": target, "output": str((run_dir / RESULT).resolve())}).write(eval_dir)
     (run_dir / RESULT).unlink(missing_ok=True)  # a result left from an earlier evaluation must not pass for this one

@@ -28,11 +28,11 @@ from dstrain.launcher.preflight import check_runtime, clear_stale_build_locks
 from dstrain.launcher.options import LaunchOptions
 from dstrain.launcher.ownership import current_holder, multi_node_job_id
 from dstrain.launcher.run_directory import (default_run_dir, prepare_run_dir, refuse_checkpoints, universal_copy,
-                                            write_run_dir, write_synthetic_hostfile)
+                                            write_run_dir)
 from dstrain.launcher.runner import is_local_job, rank_env, runner_command
 from dstrain.launcher.supervise import supervise
 from dstrain.launcher.topology import MPI_LAUNCHERS, JobShape, job_shape, master_port
-from dstrain.rundir import CONFIG, SECRETS
+from dstrain.rundir import CONFIG, SECRETS, LaunchInfo, ResumeTarget
 
 
 def launch(o: LaunchOptions) -> int:
@@ -55,7 +55,7 @@ def launch(o: LaunchOptions) -> int:
         _restore_secrets(resolved, frozen.parent)
     run_dir = Path(o.run_dir or default_run_dir(resolved))
     port = master_port(o, shape)
-    command = runner_command(o, shape.ranks, shape.nodes, run_dir, port)
+    command = runner_command(o, shape, run_dir, port)
     early = None
     if not o.dry_run and is_local_job(o, shape.nodes) and early_start.wanted(resolved.ds_config):
         early = early_start.EarlyStart(command, rank_env(accelerator, max(shape.active.values())))
@@ -96,24 +96,25 @@ def _check_and_start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig
 
 
 def _start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelerator: str, run_dir: Path,
-           resume_info: dict | None, command: list[str], early: early_start.EarlyStart | None, console: Console) -> int:
+           resume_info: ResumeTarget | None, command: list[str], early: early_start.EarlyStart | None,
+           console: Console) -> int:
     """Write the run directory (owned by this job now), let the ranks go (or start them) and supervise."""
-    if resume_info and resume_info["universal"]:
-        resume_info["directory"] = str(universal_copy(Path(resume_info["directory"]), resume_info["tag"], run_dir))
-    launch_info = {"resume": resume_info, "verbose": o.verbose, "preset": resolved.preset, "world_size": shape.world,
-                   "config_hash": resolved.config_hash(), "dstrain_version": __version__, "accelerator": accelerator,
-                   "hang_timeout_s": hang_timeout_s(resolved.config.train.hang_timeout_s, accelerator)}
+    if resume_info and resume_info.universal:
+        universal = universal_copy(Path(resume_info.directory), resume_info.tag, run_dir)
+        resume_info = resume_info.model_copy(update={"directory": str(universal)})
+    launch_info = LaunchInfo(mode="train", resume=resume_info, verbose=o.verbose, preset=resolved.preset,
+                             world_size=shape.world, config_hash=resolved.config_hash(), dstrain_version=__version__,
+                             accelerator=accelerator,
+                             hang_timeout_s=hang_timeout_s(resolved.config.train.hang_timeout_s, accelerator))
     write_run_dir(run_dir, resolved, launch_info, shape.own_ranks)
     _save_model_source(resolved, run_dir)
-    if o.no_ssh and shape.nodes > 1 and o.hostfile is None:
-        write_synthetic_hostfile(run_dir, shape.ranks, shape.nodes)
     console.print(f"run directory: {run_dir}")
     started = time.time()
     # Ranks started early have their environment already (rank_env prints its notes once).
     env = rank_env(accelerator, max(shape.active.values())) if early is None else {}
     try:
         code = supervise(command, env, run_dir, o.verbose, console, shape.own_ranks,
-                         saves=resolved.config.train.save_checkpoints, hang_timeout_s=launch_info["hang_timeout_s"],
+                         saves=resolved.config.train.save_checkpoints, hang_timeout_s=launch_info.hang_timeout_s,
                          started=early.open() if early else None)
     finally:
         if early is not None:
@@ -198,7 +199,8 @@ def _preset(o: LaunchOptions, shape: JobShape, accelerator: str, console: Consol
     return preset
 
 
-def _resume_target(o: LaunchOptions, run_dir: Path, resolved: ResolvedConfig, world: int) -> tuple[dict | None, list[str]]:
+def _resume_target(o: LaunchOptions, run_dir: Path, resolved: ResolvedConfig,
+                   world: int) -> tuple[ResumeTarget | None, list[str]]:
     """What launch.json's "resume" says (None without --resume), and notes for the user."""
     if not o.resume:
         return None, []
@@ -216,9 +218,9 @@ def _resume_target(o: LaunchOptions, run_dir: Path, resolved: ResolvedConfig, wo
     if saved_hash and saved_hash != resolved.config_hash():
         raise UserError.single(f"checkpoint {found.tag} was saved with a different model/data config",
                                f"--resume {o.resume}", "resume with the model section it was trained with")
-    resume_info = {"directory": str(found.directory.resolve()), "tag": found.tag, "step": found.step,
-                   "universal": found.world_size != world}
-    if resume_info["universal"]:
+    resume_info = ResumeTarget(directory=str(found.directory.resolve()), tag=found.tag, step=found.step,
+                               universal=found.world_size != world)
+    if resume_info.universal:
         # ZeRO shards are cut for one world size: reshape through DeepSpeed's universal checkpoint.
         notes.append(f"{found.tag} was saved by {found.world_size} ranks and this run has {world}: "
                      "resuming through a universal checkpoint (converted once, kept under universal/)")
@@ -227,11 +229,11 @@ def _resume_target(o: LaunchOptions, run_dir: Path, resolved: ResolvedConfig, wo
 
 
 def _print_plan(resolved: ResolvedConfig, world: int, accelerator: str, params: tuple[int, int], notes: list[str],
-                resume_info: dict | None, console: Console) -> None:
+                resume_info: ResumeTarget | None, console: Console) -> None:
     from dstrain.config.show import plan_lines
     for line in plan_lines(resolved.config, resolved.ds_config, world, accelerator, resolved.preset, *params):
         console.print(line, soft_wrap=True)
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")
     if resume_info:
-        console.print(f"resume: {resume_info['tag']} (step {resume_info['step']}) from {resume_info['directory']}")
+        console.print(f"resume: {resume_info.tag} (step {resume_info.step}) from {resume_info.directory}")

@@ -130,12 +130,21 @@ TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wa
 
 
 def check_trackers(resolved: ResolvedConfig) -> None:
-    """Every tracker train.log_to names has its package installed (here: the ranks share this Python)."""
+    """Every tracker train.log_to names has its package installed (here: the ranks share this Python), and
+    a user's "module:Class" imports and has the tracker methods."""
     import importlib.util
+
+    from dstrain.entrypoints import is_entry_point, load_tracker_class
     from dstrain.errors import Problem
     where = "train.log_to" + (f" (from {resolved.sources['train.log_to']})" if "train.log_to" in resolved.sources else "")
     problems = []
     for name in resolved.config.train.log_to:
+        if is_entry_point(name):  # a user's class: imported and checked here, before any rank starts
+            try:
+                load_tracker_class(name, where)
+            except UserError as err:
+                problems += err.problems
+            continue
         module, extra = TRACKER_PACKAGES.get(name, (None, None))
         if module and importlib.util.find_spec(module) is None:
             problems.append(Problem(f"{name} is not installed", where,

@@ -1,7 +1,6 @@
 """Writing the run directory before the ranks start: its checks (writable, owned by no other job,
 no foreign checkpoints),
-the run files the ranks read (names in dstrain/rundir.py), the synthetic hostfile for --no-ssh,
-and the universal copy of a checkpoint saved by another world size.
+the run files the ranks read (names in dstrain/rundir.py), and the universal copy of a checkpoint saved by another world size.
 """
 
 from __future__ import annotations
@@ -19,10 +18,7 @@ from dstrain.config.layers import flatten
 from dstrain.config.resolve import ResolvedConfig, redact
 from dstrain.errors import UserError
 from dstrain.launcher.ownership import RunDirLock, acquire
-from dstrain.rundir import CHECKPOINTS, CONFIG, DS_CONFIG, HEALTH, LAUNCH, RANKS, SECRETS, write_atomic
-
-
-SYNTHETIC_HOSTFILE = "hostfile"
+from dstrain.rundir import CHECKPOINTS, CONFIG, DS_CONFIG, HEALTH, RANKS, SECRETS, LaunchInfo, write_atomic
 
 
 def default_run_dir(resolved: ResolvedConfig) -> Path:
@@ -62,14 +58,15 @@ def refuse_checkpoints(run_dir: Path, resuming: bool) -> None:
                                "continue it with --resume latest, or choose another --run-dir")
 
 
-def write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: dict, own_ranks: range | None = None) -> None:
+def write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: LaunchInfo,
+                  own_ranks: range | None = None) -> None:
     config = resolved.config.model_dump(mode="json")
     secrets = {path: value for path, value in flatten(resolved.ds_config).items()
                if flatten(redact(resolved.ds_config)).get(path) != value}
     try:
         write_atomic(run_dir / CONFIG, yaml.safe_dump(redact(config), sort_keys=False))
         write_atomic(run_dir / DS_CONFIG, json.dumps(redact(resolved.ds_config), indent=2))
-        write_atomic(run_dir / LAUNCH, json.dumps(launch_info, indent=2))
+        launch_info.write(run_dir)
         if secrets:
             secret_file = run_dir / SECRETS
             write_atomic(secret_file, json.dumps(secrets))
@@ -79,17 +76,11 @@ def write_run_dir(run_dir: Path, resolved: ResolvedConfig, launch_info: dict, ow
             # With --no-ssh, other nodes sharing this directory may already have started: their
             # records are theirs to replace. Ranks past the new world size belong to no node.
             rank = int(stale.name[4:].split(".")[0])
-            if own_ranks is None or rank in own_ranks or rank >= launch_info["world_size"]:
+            if own_ranks is None or rank in own_ranks or rank >= launch_info.world_size:
                 stale.unlink(missing_ok=True)
     except OSError as err:
         raise UserError.single(f"cannot write the run directory: {err.strerror}", f"--run-dir {run_dir}",
                                "choose a writable directory with free space")
-
-
-def write_synthetic_hostfile(run_dir: Path, ranks: int, nodes: int) -> None:
-    """--no-ssh without --hostfile: the runner only needs the job's shape, one line per node. Every
-    node writes the same text; atomically, since another node's runner may be reading it."""
-    write_atomic(run_dir / SYNTHETIC_HOSTFILE, "".join(f"node{i} slots={ranks}\n" for i in range(nodes)))
 
 
 def universal_copy(checkpoints: Path, tag: str, run_dir: Path) -> Path:

@@ -12,12 +12,14 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dstrain.checkpoints import (COMPLETE_MARK, LATEST, assign_files, complete_checkpoints, prune, record_file,
                                  tag_for)
 from dstrain.errors import UserError
-from dstrain.rundir import CHECKPOINTS, write_atomic
+from dstrain.rank import heartbeat
+from dstrain.rank.cadence import SaveClock
+from dstrain.rundir import CHECKPOINTS, LaunchInfo, write_atomic
 
 
 def rng_state() -> dict[str, Any]:
@@ -89,6 +91,32 @@ def save(engine, run_dir: Path, step: int, client_state: dict[str, Any], keep_la
     return directory / tag
 
 
+class Checkpointer:
+    """Saves the run's checkpoints and decides when: every train.save_every steps, at the last step, at a
+    stop, when the save clock (train.save_every_minutes) is due on any rank, and at an early stop; never
+    with train.save_checkpoints false. Each checkpoint carries `client_state(step)` beside DeepSpeed's."""
+
+    def __init__(self, engine, run_dir: Path, train_config, client_state: Callable[[int], dict[str, Any]]):
+        self.engine, self.run_dir, self.t, self.client_state = engine, run_dir, train_config, client_state
+        self.clock = SaveClock(train_config.save_every_minutes)
+
+    def clock_due(self) -> bool:
+        """This rank's save clock; the loop agrees on it with the other ranks (any due: all save)."""
+        return self.t.save_checkpoints and self.clock.due()
+
+    def should_save(self, step: int, stopping: bool, clock_agreed: bool, early_stopped: bool = False) -> bool:
+        t = self.t
+        return t.save_checkpoints and (step % t.save_every == 0 or step == t.max_steps or stopping or clock_agreed
+                                       or early_stopped)
+
+    def save(self, step: int) -> Path:
+        heartbeat.beat("save")
+        saved = save(self.engine, self.run_dir, step, self.client_state(step), self.t.keep_last,
+                     self.t.checkpoint_hashes)
+        self.clock.saved()
+        return saved
+
+
 def _record_files(tag_dir: Path, hashes: bool, rank: int, world: int) -> dict[str, dict[str, Any]]:
     """{relative path: {"size", "sha256"}} of every file of the tag, on every rank: each rank lists what
     it sees, records its share (see assign_files), and the records are gathered."""
@@ -137,7 +165,7 @@ def _explain_write_failure(err: Exception, tag_dir: Path) -> None:
                            "continue with --resume latest (the last complete checkpoint is kept)") from err
 
 
-def export_final(run_dir: Path, step: int, launch: dict, how: bool | str = True, dtype: str = "fp32") -> None:
+def export_final(run_dir: Path, step: int, launch: LaunchInfo, how: bool | str = True, dtype: str = "fp32") -> None:
     """train.export_final: the final checkpoint as one safetensors file, ("hf") a Hugging Face model
     folder or ("peft") the LoRA adapters as a peft folder (rank 0, after the last save)."""
     from dstrain.tools.convert import convert_checkpoint
@@ -155,5 +183,5 @@ def export_final(run_dir: Path, step: int, launch: dict, how: bool | str = True,
         return
     output = run_dir / "final.safetensors"
     convert_checkpoint(run_dir / CHECKPOINTS, output, tag=tag_for(step), force=True, dtype=dtype,
-                       metadata={"config_hash": str(launch.get("config_hash"))})
+                       metadata={"config_hash": launch.config_hash})
     print(f"exported consolidated weights to {output}")

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from dstrain.config.schema import STREAM_EVAL_BATCHES, RunConfig
 from dstrain.data.sampler import to_device
 from dstrain.rank import heartbeat
-from dstrain.rundir import write_atomic
+from dstrain.rank.cadence import EarlyStop
+from dstrain.rundir import LaunchInfo, write_atomic
 
 
 @dataclass
@@ -99,6 +100,37 @@ def _masks_rows(sampler) -> bool:
     return sampler.real_tokens(0, 1) is not None
 
 
+class Evaluator:
+    """The train loop's evaluation: due every train.eval_every steps and at the last step (not at a stop
+    on request); each result is logged and counted by early stopping (train.early_stop_patience), whose
+    count continues from `early_state` (a checkpoint's) on resume."""
+
+    def __init__(self, engine, config: RunConfig, eval_sampler, device, metrics, early_state: dict | None):
+        t = config.train
+        self.engine, self.config, self.eval_sampler = engine, config, eval_sampler
+        self.device, self.metrics = device, metrics
+        self.early = EarlyStop(t.early_stop_patience, t.early_stop_min_delta)
+        self.early.restore(early_state)
+
+    def should_evaluate(self, step: int, stopping: bool) -> bool:
+        t = self.config.train
+        return step % t.eval_every == 0 or (step == t.max_steps and not stopping)
+
+    def run(self, step: int, stopping: bool) -> bool:
+        """Evaluate and log; True when early stopping ends the run here (never at its last step)."""
+        result = evaluate(self.engine, self.config, self.eval_sampler, self.device)
+        self.metrics.log_eval(step, result.loss, coverage(result), describe(result))
+        last = step == self.config.train.max_steps or stopping
+        if not (self.early.update(step, result.loss) and not last):
+            return False
+        early = self.early
+        self.metrics.log_event("early_stop", step, best_eval_loss=early.best, best_step=early.best_step,
+                               evals_without_improvement=early.since_best)
+        self.metrics.note(f"early stop at step {step}: the eval loss has not improved for "
+                          f"{early.since_best} evaluation(s) (best {early.best:.4f} at step {early.best_step})")
+        return True
+
+
 @contextlib.contextmanager
 def _evaluation_forward(engine):
     """The callable evaluation runs the model through: the engine, except under DeepCompile.
@@ -130,7 +162,7 @@ def describe(result: EvalResult) -> str:
     return f"{result.samples:,} held-out samples{whole}"
 
 
-def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
+def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int:
     """One evaluation rank (called by dstrain.rank.worker for mode "eval"): build the model as the run
     did, load the checkpoint's weights (not the optimizer), evaluate, rank 0 reports."""
     import torch.distributed as dist
@@ -140,8 +172,8 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     from dstrain.models import build_model
     from dstrain.rank.runtime import init_rank, initialize_engine, quiet_logging, seed_everything
 
-    quiet_logging(launch["verbose"])
-    rank, world, device = init_rank(collective_timeout_s(launch.get("hang_timeout_s", 0)))
+    quiet_logging(launch.verbose)
+    rank, world, device = init_rank(collective_timeout_s(launch.hang_timeout_s))
     seed_everything(config.train.seed)
 
     _, eval_sampler = build_samplers(config)
@@ -149,22 +181,22 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: dict) -> int:
     # The run's own DeepSpeed config, optimizer included: ZeRO keeps the fp32 weights in the
     # optimizer's partitions, and loading them is what makes the evaluated weights the trained ones.
     engine = initialize_engine(model, ds_config, config.speedups)
-    checkpoint = launch["resume"]
-    path, _ = engine.load_checkpoint(checkpoint["directory"], tag=checkpoint["tag"], load_optimizer_states=False,
+    checkpoint = launch.resume
+    path, _ = engine.load_checkpoint(checkpoint.directory, tag=checkpoint.tag, load_optimizer_states=False,
                                      load_lr_scheduler_states=False)
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint['tag']} from {checkpoint['directory']}")
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint.tag} from {checkpoint.directory}")
 
     result = evaluate(engine, config, eval_sampler, device)
     loss = result.loss
     if rank == 0:
-        record = {"step": checkpoint["step"], "tag": checkpoint["tag"], "eval_loss": loss,
+        record = {"step": checkpoint.step, "tag": checkpoint.tag, "eval_loss": loss,
                   "perplexity": math.exp(loss) if loss < 700 else None,  # exp overflows: JSON has no inf
                   "eval_batches": config.train.eval_batches, **coverage(result),  # as the train loop counts them
-                  "world_size": world, "checkpoint": str(Path(checkpoint["directory"]) / checkpoint["tag"])}
-        write_atomic(Path(launch["output"]), json.dumps(record, indent=2) + "\n")
+                  "world_size": world, "checkpoint": str(Path(checkpoint.directory) / checkpoint.tag)}
+        write_atomic(Path(launch.output), json.dumps(record, indent=2) + "\n")
         perplexity = f"{record['perplexity']:.3f}" if record["perplexity"] is not None else "overflow"
-        print(f"step {checkpoint['step']} ({checkpoint['tag']}): eval loss {loss:.4f}, perplexity {perplexity} "
-              f"over {describe(result)}; written to {launch['output']}", flush=True)
+        print(f"step {checkpoint.step} ({checkpoint.tag}): eval loss {loss:.4f}, perplexity {perplexity} "
+              f"over {describe(result)}; written to {launch.output}", flush=True)
     dist.barrier()
     return 0

@@ -1,5 +1,7 @@
 """The train loop: engine(batch) -> engine.backward(loss) -> engine.step(), with evaluation,
-logging and checkpoints at their intervals, and a clean stop on SIGTERM/SIGINT.
+logging and checkpoints when they are due, and a clean stop on SIGTERM/SIGINT. Evaluation
+(rank/evaluation.py) and checkpointing (rank/checkpointing.py) each say when they are due and keep their
+own state (early stopping's count, the save clock); the loop asks them.
 
 Everything that needs the host to wait for the device (loss values, timing) happens only at
 log steps, so the loop adds nothing to the critical path between them. The stop request (and a
@@ -20,12 +22,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dstrain.rank import checkpointing, heartbeat
-from dstrain.rank.cadence import EarlyStop, SaveClock
-from dstrain.rank.health import Guard, HealthState, RunUnhealthy
-from dstrain.rank.evaluation import coverage, describe, evaluate
 from dstrain.config.schema import RunConfig
 from dstrain.data.sampler import rank_batch, to_device
+from dstrain.rank import heartbeat
+from dstrain.rank.checkpointing import Checkpointer
+from dstrain.rank.evaluation import Evaluator
+from dstrain.rank.health import Guard, HealthState, RunUnhealthy
 from dstrain.rank.metrics import MetricsLog, engine_stats
 
 
@@ -73,51 +75,91 @@ class LoopState:
     early_stopped: bool = False
 
 
-def train(engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler, start_step: int,
-          metrics: MetricsLog, device, client_state: Callable[[int], dict], stop: StopRequest,
-          restored: dict | None = None) -> LoopState:
-    """Train from start_step to train.max_steps; `restored`: the client state of the checkpoint resumed from."""
+@dataclass
+class LoopParts:
+    """What the loop drives besides the engine: the data, where it logs, and the parts that decide for
+    themselves when they are due (the health guard, evaluation, checkpointing)."""
+
+    train_sampler: Any
+    device: Any
+    metrics: MetricsLog
+    guard: Guard
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+
+    @classmethod
+    def build(cls, engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler, device, metrics: MetricsLog,
+              client_state: Callable[[int], dict], restored: dict | None) -> "LoopParts":
+        """The parts for a run from scratch, or resumed from a checkpoint whose client state is `restored`:
+        the guard's health record and early stopping's count continue from it, and travel in every save."""
+        restored = restored or {}
+        health = HealthState.on_resume(restored.get("health"), run_dir) if restored else HealthState()
+        guard = Guard(config, run_dir, dist.get_rank(), dist.get_world_size(), device, health, metrics)
+        evaluator = Evaluator(engine, config, eval_sampler, device, metrics, restored.get("early_stop"))
+        checkpointer = Checkpointer(engine, run_dir, config.train, lambda step: {
+            **client_state(step), "health": health.client_state(), "early_stop": evaluator.early.client_state()})
+        return cls(train_sampler, device, metrics, guard, evaluator, checkpointer)
+
+
+@dataclass
+class LogWindow:
+    """The steps since the last log line: their summed loss (a device tensor, added without a sync),
+    their count, training time, host time building batches and the non-pad tokens trained on."""
+
+    loss_sum: torch.Tensor
+    steps: int = 0
+    data_s: float = 0.0
+    real_tokens: int | None = 0
+    """Non-pad tokens trained on (counted on rank 0; None: the sampler cannot tell)."""
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, step_loss: torch.Tensor, data_s: float, real_tokens: int | None = 0) -> None:
+        self.loss_sum += step_loss
+        self.steps += 1
+        self.data_s += data_s
+        self.real_tokens = None if self.real_tokens is None or real_tokens is None else self.real_tokens + real_tokens
+
+    def restart(self) -> None:
+        self.loss_sum.zero_()
+        self.steps, self.data_s, self.real_tokens, self.start = 0, 0.0, 0, time.perf_counter()
+
+    def skip_time(self) -> None:
+        """Evaluation and saving are not training throughput: the window's clock starts again."""
+        self.start = time.perf_counter()
+
+
+def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: StopRequest) -> LoopState:
+    """Train from start_step to train.max_steps."""
     t = config.train
     rank, world = dist.get_rank(), dist.get_world_size()
+    guard, evaluator, checkpointer, metrics = parts.guard, parts.evaluator, parts.checkpointer, parts.metrics
     vote = StopVote(dist.new_group(backend="gloo"))
     state = LoopState(step=start_step)
-    health = HealthState.on_resume(restored.get("health"), run_dir) if restored else HealthState()
-    guard = Guard(config, run_dir, rank, world, device, health, metrics)
-    clock, early = SaveClock(t.save_every_minutes), EarlyStop(t.early_stop_patience, t.early_stop_min_delta)
-    early.restore((restored or {}).get("early_stop"))
-
-    def full_client_state(step: int) -> dict:
-        return {**client_state(step), "health": health.client_state(), "early_stop": early.client_state()}
-
     # Training mode from the first step: a model loaded by from_pretrained comes in eval mode (no
     # dropout), one built under zero.Init in training mode; evaluation switches back and forth.
     engine.train()
-    loss_sum = torch.zeros((), device=device)
-    interval_start, interval_steps = time.perf_counter(), 0
-    data_s = 0.0  # host time building batches in this log interval (no device wait: no sync)
-    real_tokens: int | None = 0  # non-pad tokens trained on in this log interval (rank 0; None: unknown)
+    window = LogWindow(torch.zeros((), device=parts.device))
     metrics.start(start_step)
 
     while state.step < t.max_steps:
         lr = engine.optimizer.param_groups[0]["lr"]  # get_lr() warns before the first step
         data_step = guard.data_step(state.step)
-        step_loss, fetch_s = _optimizer_step(engine, t, train_sampler, data_step, state.step, rank, world, device)
-        if rank == 0:  # a pure function of the sample indices: no collective needed
-            real_tokens = _add(real_tokens, train_sampler.real_tokens(data_step * t.global_batch_size,
-                                                                      t.global_batch_size))
-        data_s += fetch_s
-        loss_sum += step_loss
+        step_loss, fetch_s = _optimizer_step(engine, t, parts.train_sampler, data_step, state.step, rank, world,
+                                             parts.device)
+        # a pure function of the sample indices: no collective needed, rank 0 counts
+        real_tokens = (parts.train_sampler.real_tokens(data_step * t.global_batch_size, t.global_batch_size)
+                       if rank == 0 else 0)
+        window.add(step_loss, fetch_s, real_tokens)
         state.step += 1
-        interval_steps += 1
         guard.record(state.step, step_loss, engine.get_global_grad_norm())
         if vote.result():
             state.stopped_by = stop.signal_name or "a signal on another rank"
-        time_save = vote.save_due  # agreed by all ranks; this step's save resets every clock
-        vote.cast(stop.signal_name is not None, clock.due() and not time_save)
-        last = state.step == t.max_steps or state.stopped_by is not None
-        logs = state.step % t.log_every == 0 or last
-        evals = state.step % t.eval_every == 0 or (last and state.stopped_by is None)
-        saves = t.save_checkpoints and (state.step % t.save_every == 0 or last or time_save)
+        clock_agreed = vote.save_due  # agreed by all ranks; this step's save resets every clock
+        vote.cast(stop.signal_name is not None, checkpointer.clock_due() and not clock_agreed)
+        stopping = state.stopped_by is not None
+        logs = state.step % t.log_every == 0 or state.step == t.max_steps or stopping
+        evals = evaluator.should_evaluate(state.step, stopping)
+        saves = checkpointer.should_save(state.step, stopping, clock_agreed)
 
         heartbeat.beat("log")  # the stop vote, the health check and the loss all-reduce are collectives too
         verdict = guard.check() if logs or evals or saves else None
@@ -132,43 +174,28 @@ def train(engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler,
                 metrics.close()
                 raise
             metrics.rewind(state.step)  # trackers hide the steps trained again
-            loss_sum.zero_()
-            interval_start, interval_steps, data_s, real_tokens = time.perf_counter(), 0, 0.0, 0
-            if state.stopped_by is not None:  # the checkpoint rolled back to is the one to resume from
+            window.restart()
+            if stopping:  # the checkpoint rolled back to is the one to resume from
                 break
             continue
         if logs:
-            dist.all_reduce(loss_sum)  # mean over ranks: every rank logs the same number
-            loss_value = loss_sum.item() / (world * t.grad_accum_steps * interval_steps)
-            elapsed = time.perf_counter() - interval_start
-            metrics.log_step(state.step, loss_value, lr, elapsed, interval_steps, data_s, engine_stats(engine),
-                             real_tokens)
-            loss_sum.zero_()
-            interval_start, interval_steps, data_s, real_tokens = time.perf_counter(), 0, 0.0, 0
+            dist.all_reduce(window.loss_sum)  # mean over ranks: every rank logs the same number
+            loss_value = window.loss_sum.item() / (world * t.grad_accum_steps * window.steps)
+            metrics.log_step(state.step, loss_value, lr, time.perf_counter() - window.start, window.steps,
+                             window.data_s, engine_stats(engine), window.real_tokens)
+            window.restart()
         if evals:
-            result = evaluate(engine, config, eval_sampler, device)
-            eval_loss = result.loss
-            metrics.log_eval(state.step, eval_loss, coverage(result), describe(result))
-            state.early_stopped = early.update(state.step, eval_loss) and not last
-            if state.early_stopped:
-                _report_early_stop(metrics, early, state.step)
-            interval_start = time.perf_counter()  # evaluation time is not training throughput
-        if saves or (t.save_checkpoints and state.early_stopped):
-            heartbeat.beat("save")
-            saved = checkpointing.save(engine, run_dir, state.step, full_client_state(state.step), t.keep_last,
-                                        t.checkpoint_hashes)
-            clock.saved()
+            state.early_stopped = evaluator.run(state.step, stopping)
+            window.skip_time()
+        if saves or checkpointer.should_save(state.step, stopping, clock_agreed, state.early_stopped):
+            saved = checkpointer.save(state.step)
             metrics.note(f"checkpoint {saved.name} saved")
-            interval_start = time.perf_counter()
-        if state.stopped_by is not None or state.early_stopped:
+            window.skip_time()
+        if stopping or state.early_stopped:
             break
     vote.result()  # leave no collective in flight
     metrics.finish(state, saved_checkpoint=t.save_checkpoints)
     return state
-
-
-def _add(total: int | None, count: int | None) -> int | None:
-    return None if total is None or count is None else total + count
 
 
 def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, rank: int, world: int, device):
@@ -187,13 +214,9 @@ def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, rank: i
         heartbeat.beat("backward")
         engine.backward(loss)
         heartbeat.beat("step")
-        engine.step()
+        # Outside autograd: DeepSpeed 0.18's ZeRO-1/2 step all-gathers into views of a flat buffer, which
+        # torch 2.13 refuses to write in place while grad mode is on (gloo); 0.19's step is the same either way.
+        with torch.no_grad():
+            engine.step()
         step_loss += loss.detach().float()
     return step_loss, fetch_s
-
-
-def _report_early_stop(metrics: MetricsLog, early: EarlyStop, step: int) -> None:
-    metrics.log_event("early_stop", step, best_eval_loss=early.best, best_step=early.best_step,
-                      evals_without_improvement=early.since_best)
-    metrics.note(f"early stop at step {step}: the eval loss has not improved for "
-                 f"{early.since_best} evaluation(s) (best {early.best:.4f} at step {early.best_step})")

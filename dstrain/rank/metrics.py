@@ -135,11 +135,14 @@ class MetricsLog:
         """A tracker that fails (full disk, W&B service gone) is dropped with a warning: metrics.jsonl
         stays the record, and a week-long run does not die of its dashboard."""
         for tracker in list(self.trackers):
+            method = getattr(tracker, call, None)
+            if method is None:  # a user's tracker without the optional rewind
+                continue
             try:
-                getattr(tracker, call)(*args)
+                method(*args)
             except Exception as err:  # noqa: BLE001 - any library error; named in the warning
                 self.trackers.remove(tracker)
-                print(f"warning: tracker {tracker.name} failed and is switched off for the rest of the run: "
+                print(f"warning: tracker {getattr(tracker, 'name', type(tracker).__name__)} failed and is switched off for the rest of the run: "
                       f"{type(err).__name__}: {err}", file=sys.stderr)
 
     def log_step(self, step: int, loss: float, lr: float, elapsed: float, steps: int, data_s: float = 0.0,

@@ -178,10 +178,11 @@ def compile_engine(engine, ds_config: dict, world: int) -> None:
         engine.compile()
         return
     from deepspeed.compile.init_z3 import WARMUP
-    from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile, zero_1_and_2_compile
+    from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile
     start = engine.global_steps
     if stage in (1, 2):  # DeepSpeed's own ZeRO-1/2 schedule, one pass from the start
-        reduce = zero_1_and_2_compile.add_z1_reduce if stage == 1 else zero_1_and_2_compile.add_z2_reduce
+        passes = zero_1_and_2_passes()
+        reduce = passes.add_z1_reduce if stage == 1 else passes.add_z2_reduce
         engine.compile(schedule=[(start, [reduce])])
         return
     schedule = [(start, [zero3_compile.add_z3_gather_release])]
@@ -189,6 +190,17 @@ def compile_engine(engine, ds_config: dict, world: int) -> None:
         schedule.append((start + WARMUP, [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch,
                                           selective_gather.selective_gather]))
     engine.compile(schedule=schedule)
+
+
+def zero_1_and_2_passes():
+    """DeepCompile's ZeRO-1/2 module of passes: zero_1_and_2_compile since DeepSpeed 0.19, zero1_compile
+    (the same add_z1_reduce and add_z2_reduce) before."""
+    try:
+        from deepspeed.compile.passes import zero_1_and_2_compile
+        return zero_1_and_2_compile
+    except ImportError:
+        from deepspeed.compile.passes import zero1_compile
+        return zero1_compile
 
 
 def compile_zero3_leaf_modules(engine) -> int:

@@ -1,8 +1,9 @@
-"""Experiment trackers (`train.log_to`): TensorBoard, Weights & Biases and CSV, behind one small interface.
+"""Experiment trackers (`train.log_to`): TensorBoard, Weights & Biases, CSV and a user's own "module:Class",
+behind one small interface.
 
 Rank 0's MetricsLog hands every logged record to each tracker: `log_metrics(step, values)` with the
 same numbers metrics.jsonl gets, `log_event(step, kind, fields)` for events (rollbacks and the like),
-`close()` at the end. Hyper-parameters (the resolved config, flattened to dotted keys) are written
+`close()` at the end, and `rewind(step)` (optional for a user's class) after a rollback. Hyper-parameters (the resolved config, flattened to dotted keys) are written
 when a tracker opens.
 
 Why not DeepSpeed's own monitor (deepspeed.monitor, the `tensorboard`/`wandb`/`csv_monitor` keys of
@@ -200,6 +201,12 @@ class CsvTracker:
 TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "csv": CsvTracker}
 
 
+def tracker_class(name: str) -> type:
+    """The class a `train.log_to` name opens: a built-in, or a user's "module:Class" (entrypoints.py)."""
+    from dstrain.entrypoints import is_entry_point, load_tracker_class
+    return load_tracker_class(name, "train.log_to") if is_entry_point(name) else TRACKERS[name]
+
+
 def open_trackers(names: list[str], run_dir: Path, hparams: dict[str, Any], start_step: int) -> list[Tracker]:
     """The trackers `train.log_to` names, opened (the launcher checked before the ranks started that
     their packages are installed). One that cannot start (W&B online without a login, say) is bad
@@ -207,8 +214,9 @@ def open_trackers(names: list[str], run_dir: Path, hparams: dict[str, Any], star
     from dstrain.errors import UserError
     opened = []
     for name in dict.fromkeys(names):
+        cls = tracker_class(name)
         try:
-            opened.append(TRACKERS[name](run_dir, hparams, start_step))
+            opened.append(cls(run_dir, hparams, start_step))
         except Exception as err:  # noqa: BLE001 - whatever the library raises, named in the message
             for tracker in opened:
                 tracker.close()

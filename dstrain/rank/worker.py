@@ -111,7 +111,11 @@ def _alive(pid: int) -> bool:
 
 def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
     config, ds_config, launch = rundir.read(run_dir)
-    if launch.get("mode") == "eval":  # `dstrain eval` (launch.json of training runs has no mode)
+    # DeepSpeed takes its accelerator from DS_ACCELERATOR when first used (after this). The node that ran
+    # `dstrain run` sets it, but pdsh, mpirun and srun pass other nodes only some variables, and a node's
+    # own environment may say otherwise: the run directory decides, the same on every node.
+    os.environ["DS_ACCELERATOR"] = launch.accelerator
+    if launch.mode == "eval":  # `dstrain eval`
         for sig in previous_handlers:  # nothing to save: a stop request (SIGINT too) ends it, no traceback
             signal.signal(sig, signal.SIG_DFL)
         if caught:
@@ -135,7 +139,7 @@ def data_facts(sampler) -> dict:
             "packed": sampler.packed, "packing_efficiency": efficiency}
 
 
-def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> int:
+def train_rank(run_dir: Path, config, ds_config: dict, launch: rundir.LaunchInfo, stop) -> int:
     """Build the engine, restore the checkpoint to resume, train, export."""
     import torch.distributed as dist
 
@@ -143,12 +147,12 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
     from dstrain.hangs import collective_timeout_s
     from dstrain.models import flops_per_token
     from dstrain.rank.checkpointing import export_final
-    from dstrain.rank.loop import train
+    from dstrain.rank.loop import LoopParts, train
     from dstrain.rank.metrics import MetricsLog
     from dstrain.rank.runtime import compile_engine, init_rank, quiet_logging, seed_everything
 
-    quiet_logging(launch["verbose"])
-    rank, world, device = init_rank(collective_timeout_s(launch.get("hang_timeout_s", 0)))
+    quiet_logging(launch.verbose)
+    rank, world, device = init_rank(collective_timeout_s(launch.hang_timeout_s))
     seed_everything(config.train.seed)
     started = time.perf_counter()
     train_sampler, eval_sampler = build_samplers(config)
@@ -158,7 +162,7 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
     if config.model.lora is not None and rank == 0:
         _record_lora_layers(run_dir, model)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    resume = launch.get("resume")
+    resume = launch.resume
     restored = _restore(engine, resume, rank, world) if resume else None
     start_step = int(restored["step"]) if restored else 0
     if config.train.compile:
@@ -181,7 +185,7 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
                                   f"packing efficiency {facts['packing_efficiency']:.1%} (real tokens / row tokens)",
                                   soft_wrap=True)
         if resume:
-            metrics.console.print(f"resumed from {resume['tag']} at step {start_step}")
+            metrics.console.print(f"resumed from {resume.tag} at step {start_step}")
         now = time.perf_counter()
         gate = f", {_waited_at_gate_s:.1f} s of them waiting for dstrain run's checks" if _waited_at_gate_s >= 0.05 else ""
         metrics.console.print(f"[dim]ready in {now - started:.1f} s (data {data_ready - started:.1f} s, model and "
@@ -191,14 +195,15 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: dict, stop) -> in
 
     def client_state(step: int) -> dict:
         return {"step": step, "samples_seen": step * config.train.global_batch_size, "world_size": world,
-                "config_hash": launch.get("config_hash"), "dstrain_version": launch.get("dstrain_version")}
+                "config_hash": launch.config_hash, "dstrain_version": launch.dstrain_version}
 
     # Everything built so far (torch, DeepSpeed, the model, the engine) lives until the end: move it
     # out of the garbage collector's reach, so its periodic full passes stay short (docs/benchmarks.md).
     gc.collect()
     gc.freeze()
-    state = train(engine, config, run_dir, train_sampler, eval_sampler, start_step, metrics, device,
-                  client_state, stop, restored)
+    parts = LoopParts.build(engine, config, run_dir, train_sampler, eval_sampler, device, metrics, client_state,
+                            restored)
+    state = train(engine, config, parts, start_step, stop)
     if config.train.export_final and state.stopped_by is None and rank == 0:
         heartbeat.beat("save")
         export_final(run_dir, state.step, launch, config.train.export_final, config.train.export_dtype)
@@ -237,10 +242,10 @@ def _record_lora_layers(run_dir: Path, model) -> None:
     rundir.write_atomic(run_dir / rundir.HF_SOURCE / rundir.HF_LORA, json.dumps(hf.lora_layers(model), indent=1))
 
 
-def _restore(engine, resume: dict, rank: int, world: int) -> dict:
+def _restore(engine, resume: rundir.ResumeTarget, rank: int, world: int) -> dict:
     """Load the checkpoint launch.json names (model, optimizer, scheduler, RNG); returns its client state."""
     from dstrain.rank.checkpointing import load
-    return load(engine, resume["directory"], resume["tag"], rank, world)
+    return load(engine, resume.directory, resume.tag, rank, world)
 
 
 def _verbose(run_dir: Path) -> bool:

@@ -1,9 +1,11 @@
-"""User code for tests/test_user_code.py (and test_hangs.py), imported as entry points from this directory ("usermods:...").
+"""User code for tests/test_user_code.py (and test_hangs.py, test_trackers.py, test_tracking_run.py), imported as entry points from this directory ("usermods:...").
 
 A model and datasets written the way a user would: nothing here imports dstrain.
 """
 
+import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -133,3 +135,33 @@ class HangsOnRank1(Linear):
 
 def hangs_on_rank1(d_in: int = 4, at_step: int = 5):
     return HangsOnRank1(d_in, at_step)
+
+
+class JsonLinesTracker:
+    """A tracker of one's own (train.log_to: usermods:JsonLinesTracker): every record it gets, one JSON
+    line each, in RUN_DIR/user_tracker.jsonl."""
+
+    def __init__(self, run_dir, hparams, start_step):
+        self.file = open(Path(run_dir) / "user_tracker.jsonl", "a")
+        self._write({"opened_at": start_step, "lr": hparams["train.lr"]})
+
+    def _write(self, record):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def log_metrics(self, step, values):
+        self._write({"step": step, **values})
+
+    def log_event(self, step, kind, fields):
+        self._write({"step": step, "event": kind})
+
+    def close(self):
+        self._write({"closed": True})
+        self.file.close()
+
+
+class NotATracker:
+    """Has no tracker methods: train.log_to refuses it."""
+
+    def log(self, values):
+        pass

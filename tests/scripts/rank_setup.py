@@ -1,0 +1,39 @@
+"""What every script under tests/scripts/ starts with: its rank's environment and process group (gloo on
+DeepSpeed's CPU accelerator, NCCL on a GPU), its parameters, and result() for what it sends back."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import warnings
+
+
+def parameters() -> dict:
+    """The script's parameters: the JSON object of its first argument."""
+    return json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+
+
+def start_rank(params: dict) -> str:
+    """Join the process group as params' "rank" of "world_size" (one rank on a free port by default);
+    the device the rank trains on ("cpu" or "cuda")."""
+    warnings.filterwarnings("ignore")
+    rank, world_size, port = params.get("rank", 0), params.get("world_size", 1), params.get("port")
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    import deepspeed
+    import torch
+    on_gpu = os.environ["DS_ACCELERATOR"] == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    return "cuda" if on_gpu else "cpu"
+
+
+def result(value) -> None:
+    print("RESULT " + json.dumps(value), flush=True)
