@@ -324,9 +324,15 @@ def eval_cmd(
     raise typer.Exit(evaluate_run(run_dir, resume, accelerator, verbose))
 
 
-checkpoint_app = typer.Typer(help="Inspect checkpoints: `dstrain checkpoint verify DIR`.", no_args_is_help=True,
-                              add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
-app.add_typer(checkpoint_app, name="checkpoint")
+def _sub_app(name: str, help_text: str) -> typer.Typer:
+    """A command group (`dstrain NAME COMMAND`), set up as the top-level app is."""
+    group = typer.Typer(help=help_text, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                        rich_markup_mode=None)
+    app.add_typer(group, name=name)
+    return group
+
+
+checkpoint_app = _sub_app("checkpoint", "Inspect checkpoints: `dstrain checkpoint verify DIR`.")
 
 
 @checkpoint_app.command("verify")
@@ -348,9 +354,7 @@ def checkpoint_verify_cmd(
     raise typer.Exit(verify_checkpoints(target, hashes))
 
 
-data_app = typer.Typer(help="Look at the training data: `dstrain data preview --config run.yaml`.", no_args_is_help=True,
-                       add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
-app.add_typer(data_app, name="data")
+data_app = _sub_app("data", "Look at the training data: `dstrain data preview --config run.yaml`.")
 
 
 @data_app.command("preview")

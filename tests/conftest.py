@@ -42,3 +42,16 @@ def pytest_terminal_summary(terminalreporter):
     for lane, seconds in _LANE_SECONDS.items():
         if seconds:
             terminalreporter.write_line(f"{lane}: {seconds:.0f} s ({seconds / 60:.1f} min) of test time")
+
+
+# Tiny Hugging Face model folders (tests/hf_models.py), one per test module that asks.
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from hf_models import save_tiny_llama
+    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    from hf_models import save_tiny_gpt2
+    return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2") / "model")

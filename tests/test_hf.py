@@ -26,16 +26,6 @@ from dstrain.tools.convert.hf_folder import folder_from_weights
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory):
-    return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2") / "model")
-
-
 def run_config(model_dir, **train) -> RunConfig:
     return RunConfig.model_validate({"model": {"name": f"hf:{model_dir}"},
                                      "data": {"seq_len": 16, "tokenizer": "byte"}, "train": train})

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from hf_models import save_tiny_gpt2, save_tiny_llama
 
 from dstrain.cli import app
 from dstrain.config.schema import PEFT_ARGUMENTS, LoraConfig, RunConfig
@@ -23,16 +22,6 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "fine-tuning.md"
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory):
-    return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2") / "model")
 
 
 def lora_model(model_dir, **lora):
