@@ -43,7 +43,9 @@ def record(run_dir: Path, name: str, text: str) -> None:
         directory.mkdir(exist_ok=True)
         (directory / f"rank{_rank()}.{name}").write_text(text)
     except OSError as err:
-        print(f"rank {_rank()}: cannot record {name} under {run_dir / rundir.RANKS}: {err}", file=sys.stderr)
+        # `dstrain run` reads a failure from the exit record; where that cannot be written, say it here
+        said = f"; it ends: {text}" if name == "exit" and text != "ok" else ""
+        print(f"rank {_rank()}: cannot record {name} under {run_dir / rundir.RANKS}: {err}{said}", file=sys.stderr)
 
 
 def _catch_stop_signals() -> tuple[list[str], dict]:
