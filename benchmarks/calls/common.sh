@@ -8,6 +8,9 @@
 #   913m   16 x 2048, 16 heads, vocabulary 50,304,   4 x 2048
 #   1.3b   24 x 2048, 16 heads, vocabulary 50,304,   8 x 1024
 #   2.65b  32 x 2560, 20 heads, vocabulary 50,304,   4 x 2048
+#   1.65b  24 x 2304, 18 heads, vocabulary 50,304,   8 x 1024
+#   3.78b  32 x 3072, 24 heads, vocabulary 50,304,   2 x 2048
+#   6.6b   32 x 4096, 32 heads, vocabulary 32,000,   2 x 2048   (beyond one GPU's DDP: stage3 on 4 GPUs)
 # Environment: OUT (where results and logs go; the device tool sets it, default
 # benchmarks/results/<date>-calls), STEPS (steps a row, default per script), EXTRA (more suite.py
 # arguments for every row, e.g. "--set train.lr=3e-4").
@@ -25,7 +28,10 @@ shape_args() {
     913m)  echo "--n-layer 16 --d-model 2048 --n-head 16 --vocab-size 50304 --seq-len 2048 --micro-batch 4" ;;
     1.3b)  echo "--n-layer 24 --d-model 2048 --n-head 16 --vocab-size 50304" ;;
     2.65b) echo "--n-layer 32 --d-model 2560 --n-head 20 --vocab-size 50304 --seq-len 2048 --micro-batch 4" ;;
-    *) echo "unknown shape '$1' (124m, 406m, 615m, 913m, 1.3b, 2.65b)" >&2; return 2 ;;
+    1.65b) echo "--n-layer 24 --d-model 2304 --n-head 18 --vocab-size 50304" ;;
+    3.78b) echo "--n-layer 32 --d-model 3072 --n-head 24 --vocab-size 50304 --seq-len 2048 --micro-batch 2" ;;
+    6.6b)  echo "--n-layer 32 --d-model 4096 --n-head 32 --vocab-size 32000 --seq-len 2048 --micro-batch 2" ;;
+    *) echo "unknown shape '$1' (124m, 406m, 615m, 913m, 1.3b, 2.65b, 1.65b, 3.78b, 6.6b)" >&2; return 2 ;;
   esac
 }
 
