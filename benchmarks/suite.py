@@ -739,7 +739,8 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     steps, log_every, warmup = _steps(args, preset)
     if "log_half" in flags:  # log (and wait for the device) only at the middle and the end
         sets.append(f"train.log_every={steps // 2}")
-    row = {"runner": runner, "preset": preset, "gpus": gpus, "variant": name, "sets": extra_sets + [f"+{f}" for f in flags],
+    row = {"runner": runner, "preset": preset, "gpus": gpus, "variant": name, "model_name": model["name"],
+           "sets": extra_sets + [f"+{f}" for f in flags],
            "tokens_per_s": None, "tflops_per_gpu": None, "peak_gpu_gib": None, "host_rss_gib": None,
            "first_step_s": None, "steps": steps, "log_every": log_every, "warmup_steps": warmup}
     tag = re.sub(r"[^\w.-]+", "_", f"{runner}-{preset}-{gpus}g-{name or 'base'}")
@@ -1042,6 +1043,10 @@ def main(argv: list[str]) -> int:
         rates = _offload_rates(args, min(args.bound_elements, model["params"]))
         doc["offload_rates"] = rates
     torch_step_s: dict[int, float] = {}  # GPUs -> the torch row's step time: the GPU's part of the bound
+    if out_path.exists():  # an earlier invocation of this call (same machine, same file) may have run torch
+        for r in json.loads(out_path.read_text()).get("rows", []):
+            if r["runner"] == "torch" and not r.get("variant") and r.get("step_ms") and r.get("model_name") == model["name"]:
+                torch_step_s[r["gpus"]] = r["step_ms"] / 1000
 
     plan = []
     base = [] if args.no_base else [("", list(RUNNERS), [], [])]
@@ -1071,7 +1076,7 @@ def main(argv: list[str]) -> int:
         if rates and rates.get("adam_gb_s") and preset in OFFLOAD and rate:
             bound, bound_line = _offload_bound_module().bound, _offload_bound_module().bound_line
             parts = bound(preset, model["params"], row["grad_accum"], rates, torch_step_s.get(gpus))
-            row["offload_bound"] = {**{k: round(v, 4) for k, v in parts.items()},
+            row["offload_bound"] = {**parts,  # seconds a step
                                     "fraction": round(parts["bound_s"] / (row["step_ms"] / 1000), 3)}
             write_results(out_path, {**doc, "rows": [row]})
             print(bound_line(row, parts), flush=True)

@@ -97,13 +97,23 @@ def test_zero3_without_leaf_layers_stays_eager_and_says_why():
     assert line.startswith("compile: left eager") and "leaf module" in line
 
 
-def test_a_lora_wrapped_model_compiles_its_layers():
+def test_a_lora_wrapped_models_layers_are_found_and_trace_as_one_graph():
     pytest.importorskip("peft")
     from dstrain.config.schema import LoraConfig
     from dstrain.models.hf import CausalLM, apply_lora, decoder_blocks
+    import torch._dynamo as dynamo
     base = tiny("llama")
     model = CausalLM(apply_lora(base.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])))
-    assert len(decoder_blocks(model)) == 3
+    blocks = decoder_blocks(model)
+    assert len(blocks) == 3
+    seen = {}
+    handle = blocks[0].register_forward_pre_hook(lambda _m, args, kwargs: seen.setdefault("call", (args, kwargs)),
+                                                 with_kwargs=True)
+    model(batch())
+    handle.remove()
+    dynamo.reset()
+    explained = dynamo.explain(blocks[0].forward)(*seen["call"][0], **seen["call"][1])
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
 def _resolved(preset: str, *sets: str, accelerator: str = "cuda"):
@@ -141,7 +151,13 @@ def test_compile_false_keeps_an_hf_model_eager(llama_dir):
 @pytest.mark.integration
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_compiled_blocks_give_eagers_loss_and_gradients(family):
+    """... and the three layers share one compiled graph (no compile per layer, no recompiles)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
     from dstrain.rank.runtime import compile_hf_blocks
+    dynamo.reset()
+    counters.clear()
     eager, compiled = tiny(family), tiny(family)
     assert compile_hf_blocks(compiled, 2).startswith("compile: 3 ")
     for step in range(2):  # the second step runs the cached graph
@@ -155,6 +171,7 @@ def test_compiled_blocks_give_eagers_loss_and_gradients(family):
         torch.testing.assert_close(losses_[1], losses_[0], rtol=1e-5, atol=1e-5)
         for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
 
 
 @pytest.mark.integration

@@ -8,6 +8,9 @@
 #   913m   16 x 2048, 16 heads, vocabulary 50,304,   4 x 2048
 #   1.3b   24 x 2048, 16 heads, vocabulary 50,304,   8 x 1024
 #   2.65b  32 x 2560, 20 heads, vocabulary 50,304,   4 x 2048
+# Hugging Face shapes (suite.py --hf-shape: random weights, built once into ~/.cache/dstrain/bench-hf):
+#   qwen2-1.5b  Qwen2.5-1.5B: 28 x 1536, 12 heads (2 KV), MLP 8960, vocabulary 151,936, tied, 4 x 2048
+#   llama-1b    Llama 3.2-1B: 16 x 2048, 32 heads (8 KV), MLP 8192, vocabulary 128,256, tied, 4 x 2048
 # Environment: OUT (where results and logs go; the device tool sets it, default
 # benchmarks/results/<date>-calls), STEPS (steps a row, default per script), EXTRA (more suite.py
 # arguments for every row, e.g. "--set train.lr=3e-4").
@@ -25,7 +28,8 @@ shape_args() {
     913m)  echo "--n-layer 16 --d-model 2048 --n-head 16 --vocab-size 50304 --seq-len 2048 --micro-batch 4" ;;
     1.3b)  echo "--n-layer 24 --d-model 2048 --n-head 16 --vocab-size 50304" ;;
     2.65b) echo "--n-layer 32 --d-model 2560 --n-head 20 --vocab-size 50304 --seq-len 2048 --micro-batch 4" ;;
-    *) echo "unknown shape '$1' (124m, 406m, 615m, 913m, 1.3b, 2.65b)" >&2; return 2 ;;
+    qwen2-1.5b|llama-1b) echo "--hf-shape $1 --seq-len 2048 --micro-batch 4" ;;
+    *) echo "unknown shape '$1' (124m, 406m, 615m, 913m, 1.3b, 2.65b, qwen2-1.5b, llama-1b)" >&2; return 2 ;;
   esac
 }
 
