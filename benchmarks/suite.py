@@ -627,7 +627,7 @@ def _shape_sets(args, preset: str, gpus: int) -> list[str]:
             sets.append(f"deepspeed.zero_optimization.{part}.nvme_path={args.nvme_path}")
         # Each swap buffer must hold the largest parameter: the embedding (vocab x width) here, which is
         # more than the preset's 1e8 elements from a 97k vocabulary at width 1024 on.
-        largest = max(args.vocab_size * args.d_model, 4 * args.d_model * args.d_model)
+        largest = getattr(args, "largest_param", None) or max(args.vocab_size * args.d_model, 4 * args.d_model * args.d_model)
         sets.append(f"deepspeed.zero_optimization.offload_param.buffer_size={max(10**8, -(-largest // 10**6) * 10**6)}")
     return sets + list(args.set or [])
 
@@ -951,6 +951,9 @@ def _offload_rates(args, elements: int) -> dict | None:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["_worker"]:
         return worker(Path(argv[1]))
+    if argv[:1] == ["_build_hf"]:
+        print(f"Hugging Face folder: {build_hf_folder(argv[1], Path(argv[2]))}", flush=True)
+        return 0
     if argv[:1] == ["merge"]:
         p = argparse.ArgumentParser(prog="suite.py merge")
         p.add_argument("files", nargs="+", type=Path)
@@ -1017,7 +1020,11 @@ def main(argv: list[str]) -> int:
         p.error("--hf-shape and --model name the model twice: give one")
     if args.model != "gpt" and not args.model.startswith("hf:"):
         p.error("--model takes gpt or hf:FOLDER")
-    args.hf = (str(build_hf_folder(args.hf_shape, args.hf_dir)) if args.hf_shape
+    if args.hf_shape:  # in a process of its own: the driver holds no CUDA context while the rows run
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "_build_hf", args.hf_shape, str(args.hf_dir)],
+                       check=True, env=env, cwd=REPO)
+    args.hf = (str(args.hf_dir / args.hf_shape) if args.hf_shape
                else args.model[len("hf:"):] if args.model.startswith("hf:") else None)
     gpu_counts = [int(g) for g in args.gpus.split(",")]
     runners = args.runners.split(",")
@@ -1029,6 +1036,8 @@ def main(argv: list[str]) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="dstrain-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     model = _model_info(args)
+    if args.hf:  # the embedding: an hf: model's largest parameter, which stage3_nvme's swap buffers must hold
+        args.largest_param = model["vocab_size"] * model["d_model"]
     suffix = f"x{max(gpu_counts)}" if max(gpu_counts) > 1 else ""
     out_path = args.out / f"{datetime.date.today().isoformat()}-{short}{suffix}.json"
     doc = {"device": device, "versions": _versions(), "model": model, "rows": [],

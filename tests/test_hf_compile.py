@@ -141,6 +141,13 @@ def test_auto_leaves_an_hf_model_eager_where_it_was_not_measured_and_says_why(pr
     assert why in resolved.sources["train.compile"]
 
 
+def test_compile_true_with_lora_at_zero3_warns_that_it_stays_eager(llama_dir):
+    resolved = _resolved("stage3", f"model.name=hf:{llama_dir}", "model.lora.r=4", "train.compile=true")
+    assert any("LoRA at ZeRO stage 3" in w and "stays eager" in w for w in resolved.warnings)
+    plain = _resolved("stage3", f"model.name=hf:{llama_dir}", "train.compile=true")
+    assert not any("train.compile" in w for w in plain.warnings)  # hf: layers at ZeRO-3 are the design
+
+
 def test_compile_false_keeps_an_hf_model_eager(llama_dir):
     resolved = _resolved("stage2", f"model.name=hf:{llama_dir}", "train.compile=false")
     assert resolved.config.train.compile is False
