@@ -55,7 +55,7 @@ summarize() {
   for log in "$@"; do
     [ -f "$log" ] || continue
     echo "== $log"
-    grep -E "^(torch|dstrain|deepspeed|lightning) +(stage|none)|FAILED|Error" "$log" | grep -v "  -  "
+    grep -E "^(torch|dstrain|deepspeed|lightning) +(stage|none)|^ *offload bound|FAILED|Error" "$log" | grep -v "  -  "
   done
   tar -czf "$OUT/rowlogs.tgz" -C "$WORK" $(cd "$WORK" && ls ./*.log 2>/dev/null) 2>/dev/null
   { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; nproc; } > "$OUT/machine.txt"
