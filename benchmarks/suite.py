@@ -237,7 +237,9 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
         engine.compile()
     elif config.train.compile:  # as dstrain's worker compiles (DeepCompile's schedule included)
         from dstrain.rank.runtime import compile_engine
-        compile_engine(engine, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
+        line = compile_engine(engine, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
+        if line and int(os.environ.get("RANK", "0")) == 0:
+            print(line, flush=True)
 
     def step(batch):
         loss = engine(batch)
@@ -752,6 +754,9 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     try:
         resolved = resolve(None if preset == "none" else preset, None, sets, world_size=gpus,  # speedups: the row's
                            accelerator=args.accelerator, env={k: v for k, v in env.items() if k.startswith("DSTRAIN_")})
+        if args.hf:  # what `dstrain run` adds before its ranks start: at ZeRO-3 each decoder layer one fetch
+            from dstrain.launcher.preflight import check_runtime
+            check_runtime(resolved)
     except Exception as err:  # noqa: BLE001 - a bad variant is reported in its row
         row["status"] = f"config error: {err}"
         return row
