@@ -15,6 +15,16 @@ Runners (each row is a fresh process, so peak memory and start-up are its own):
 
 All of them train dstrain's built-in GPT (dstrain/models/gpt.py) on the same synthetic token batches
 (dstrain.data.sampler.SyntheticSampler, same seed) with the same hyper-parameters and LR schedule.
+With --hf-shape NAME (HF_SHAPES: a Qwen2.5-1.5B or a Llama 3.2-1B shape, random weights, built once into
+--hf-dir) or --model hf:FOLDER they train that Hugging Face model instead (dstrain's `model.name=hf:...`;
+torch and the hand loop load the same folder; Lightning builds the same shape with its own random
+weights). The torch runner's +compile_blocks flag compiles each decoder layer on its own, as dstrain's
+train.compile does for hf: models (rank/runtime.py compile_hf_blocks); +compile compiles the whole model.
+
+Offload rows (stage2_offload, stage3_offload) also print their step time as a fraction of the bound that
+this host's Adam bandwidth and PCIe rates imply (benchmarks/offload_bound.py states the model; measured
+once per call in its own process; --no-offload-bound skips it). The GPU's part of the bound is the torch
+row's step time when that row ran in the same invocation.
 
 How throughput is measured, identically for every runner: the loop logs every --log-every steps
 and waits for the device only there (loss.item(), as dstrain's loop does); an interval's time is
@@ -43,6 +53,11 @@ Examples:
       --vocab-size 256 --micro-batch 2 --steps 6 --log-every 2 --warmup 2    # CPU smoke test
   python3 benchmarks/suite.py merge A.json B.json -o benchmarks/results/2026-11-22-h100.json
   python3 benchmarks/suite.py --runners dstrain --presets stage2 --no-base --log-cost   # cost of logging
+  python3 benchmarks/suite.py --hf-shape qwen2-1.5b --seq-len 2048 --micro-batch 4 --runners torch,dstrain \
+      --presets stage2,stage3 --variant "compiled@torch=+compile_blocks" \
+      --variant "eager@dstrain=train.compile=false"                         # HF rows, compiled and eager
+  python3 benchmarks/suite.py --accelerator cpu --hf-shape tiny-llama --seq-len 32 --micro-batch 2 \
+      --steps 6 --log-every 2 --warmup 2 --runners torch,dstrain --presets stage2   # HF CPU smoke test
 """
 
 from __future__ import annotations
@@ -72,6 +87,52 @@ _RUNNING: list[int] = []  # the row command in flight, killed with its tree if t
 PRESETS = ("stage1", "stage2", "stage2_offload", "stage3", "stage3_offload", "stage3_nvme")
 RUNNERS = ("torch", "lightning", "deepspeed", "dstrain")
 SLOW = {"stage2_offload": 2, "stage3_offload": 2, "stage3_nvme": 5}  # fewer steps: seconds per step
+OFFLOAD = ("stage2_offload", "stage3_offload")
+
+# Hugging Face shapes for --hf-shape: (transformers config class, its arguments). Random weights; only the
+# shapes matter for speed (Llama 3.2's rope scaling and the real tokenizers are left out: no effect on it).
+HF_SHAPES = {
+    "qwen2-1.5b": ("Qwen2Config", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                       num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                                       tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768,
+                                       rms_norm_eps=1e-6)),
+    "llama-1b": ("LlamaConfig", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                                     num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                                     tie_word_embeddings=True, rope_theta=5e5, max_position_embeddings=131072,
+                                     rms_norm_eps=1e-5)),
+    # CPU smoke tests: vocabulary 256 (the synthetic tokens' default range)
+    "tiny-qwen2": ("Qwen2Config", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=64, vocab_size=256, tie_word_embeddings=True, rope_theta=1e6,
+                                       max_position_embeddings=256)),
+    "tiny-llama": ("LlamaConfig", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=64, vocab_size=256, tie_word_embeddings=True,
+                                       max_position_embeddings=256)),
+}
+
+
+def build_hf_folder(shape: str, root: Path) -> Path:
+    """root/shape: a folder AutoModelForCausalLM.from_pretrained loads, random weights in bf16, built once
+    (on the GPU where there is one: fast initialisation) and reused while its config matches."""
+    import torch
+    import transformers
+    cls, kwargs = HF_SHAPES[shape]
+    config = getattr(transformers, cls)(**kwargs)
+    folder = root / shape
+    wanted = {k: v for k, v in config.to_dict().items() if k in kwargs}
+    if (folder / "config.json").exists() and list(folder.glob("*.safetensors")):
+        saved = json.loads((folder / "config.json").read_text())
+        if all(saved.get(k) == v for k, v in wanted.items() if k in saved):
+            return folder
+    tmp = root / f".{shape}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp)
+    del model
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
 
 
 # ------------------------------------------------------------------------------------ rank side
@@ -97,12 +158,22 @@ def _lr_ratio(update: int, sched: dict) -> float:
     return max(0.0, sched["cos_min_ratio"] + (1.0 - sched["cos_min_ratio"]) * (1 + math.cos(math.pi * progress)) / 2)
 
 
-def _torch_step(config, device, world: int, local_rank: int, compile_model: bool):
-    """Plain PyTorch: fp32 weights, autocast bf16, fused AdamW, clipping, DDP when world > 1."""
+def _torch_step(config, device, world: int, local_rank: int, compile_model: bool, compile_blocks: bool = False):
+    """Plain PyTorch: fp32 weights, autocast bf16, fused AdamW, clipping, DDP when world > 1. An hf: model
+    is loaded from its folder as dstrain loads it (fp32 unless model.kwargs.dtype says otherwise);
+    compile_blocks: each decoder layer compiled on its own (dstrain's regional compile)."""
     import torch
-    from dstrain.models import model_builder
-    with torch.device(device):  # built where it trains, as dstrain's build_model does
-        model = model_builder(config)()
+    from dstrain.models import hf, model_builder
+    if hf.is_hf(config.model.name):
+        model = hf.build_pretrained(config, {}, device)
+    else:
+        with torch.device(device):  # built where it trains, as dstrain's build_model does
+            model = model_builder(config)()
+    if compile_blocks:
+        if not isinstance(model, hf.CausalLM):
+            raise SystemExit("+compile_blocks compiles an hf: model's decoder layers (--hf-shape or --model hf:...)")
+        from dstrain.rank.runtime import compile_hf_blocks
+        print(compile_hf_blocks(model, 0), flush=True)
     params = list(model.parameters())
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -166,7 +237,9 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
         engine.compile()
     elif config.train.compile:  # as dstrain's worker compiles (DeepCompile's schedule included)
         from dstrain.rank.runtime import compile_engine
-        compile_engine(engine, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
+        line = compile_engine(engine, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
+        if line and int(os.environ.get("RANK", "0")) == 0:
+            print(line, flush=True)
 
     def step(batch):
         loss = engine(batch)
@@ -401,7 +474,8 @@ def worker(spec_path: Path) -> int:
         return 0
     if spec["runner"] == "torch":
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-        step_fn = _torch_step(config, device, dist.get_world_size(), local_rank, spec.get("torch_compile", False))
+        step_fn = _torch_step(config, device, dist.get_world_size(), local_rank, spec.get("torch_compile", False),
+                              spec.get("torch_compile_blocks", False))
     else:
         import deepspeed
         deepspeed.init_distributed()
@@ -515,6 +589,16 @@ def _model_info(args) -> dict:
     from dstrain.models import model_builder
     from dstrain.models.gpt import flops_per_token
     config = resolve(None, None, _shape_sets(args, "none", 1), world_size=1, accelerator="cpu", env={}).config
+    if args.hf:  # the folder's model, counted on the meta device; FLOPs as dstrain's metrics count them
+        from dstrain.models import hf
+        built: list = []
+        n_params, _ = count_model(lambda: built.append(model_builder(config)()) or built[0])
+        hf_config = built[0].model.config
+        return {"name": f"hf:{args.hf}", "hf_shape": args.hf_shape, "architecture": type(built[0].model).__name__,
+                "n_layer": hf_config.num_hidden_layers, "d_model": hf_config.hidden_size,
+                "vocab_size": hf_config.vocab_size, "seq_len": args.seq_len, "micro_batch_per_gpu": args.micro_batch,
+                "params": n_params, "data": args.data,
+                "flops_per_token": hf.flops_per_token(built[0], n_params, args.seq_len)}
     n_params, _ = count_model(model_builder(config))
     return {"name": "gpt", "n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head,
             "vocab_size": args.vocab_size, "seq_len": args.seq_len, "micro_batch_per_gpu": args.micro_batch,
@@ -533,8 +617,10 @@ def _steps(args, preset: str) -> tuple[int, int, int]:
 
 def _shape_sets(args, preset: str, gpus: int) -> list[str]:
     steps, log_every, _ = _steps(args, preset)
-    sets = [f"model.n_layer={args.n_layer}", f"model.d_model={args.d_model}", f"model.n_head={args.n_head}",
-            f"model.vocab_size={args.vocab_size}", f"data.seq_len={args.seq_len}", f"data.source={args.data}",
+    model = ([f"model.name=hf:{args.hf}"] if args.hf else  # synthetic tokens stay below model.vocab_size (256)
+             [f"model.n_layer={args.n_layer}", f"model.d_model={args.d_model}", f"model.n_head={args.n_head}",
+              f"model.vocab_size={args.vocab_size}"])
+    sets = [*model, f"data.seq_len={args.seq_len}", f"data.source={args.data}",
             f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={steps}", f"train.log_every={log_every}",
             # evaluation only at the end; no checkpoint (writing the optimizer state is not training)
             f"train.eval_every={10**9}", "train.save_checkpoints=false", "train.eval_batches=2"]
@@ -543,7 +629,7 @@ def _shape_sets(args, preset: str, gpus: int) -> list[str]:
             sets.append(f"deepspeed.zero_optimization.{part}.nvme_path={args.nvme_path}")
         # Each swap buffer must hold the largest parameter: the embedding (vocab x width) here, which is
         # more than the preset's 1e8 elements from a 97k vocabulary at width 1024 on.
-        largest = max(args.vocab_size * args.d_model, 4 * args.d_model * args.d_model)
+        largest = getattr(args, "largest_param", None) or max(args.vocab_size * args.d_model, 4 * args.d_model * args.d_model)
         sets.append(f"deepspeed.zero_optimization.offload_param.buffer_size={max(10**8, -(-largest // 10**6) * 10**6)}")
     return sets + list(args.set or [])
 
@@ -655,7 +741,8 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     steps, log_every, warmup = _steps(args, preset)
     if "log_half" in flags:  # log (and wait for the device) only at the middle and the end
         sets.append(f"train.log_every={steps // 2}")
-    row = {"runner": runner, "preset": preset, "gpus": gpus, "variant": name, "sets": extra_sets + [f"+{f}" for f in flags],
+    row = {"runner": runner, "preset": preset, "gpus": gpus, "variant": name, "model_name": model["name"],
+           "sets": extra_sets + [f"+{f}" for f in flags],
            "tokens_per_s": None, "tflops_per_gpu": None, "peak_gpu_gib": None, "host_rss_gib": None,
            "first_step_s": None, "steps": steps, "log_every": log_every, "warmup_steps": warmup}
     tag = re.sub(r"[^\w.-]+", "_", f"{runner}-{preset}-{gpus}g-{name or 'base'}")
@@ -667,9 +754,14 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     try:
         resolved = resolve(None if preset == "none" else preset, None, sets, world_size=gpus,  # speedups: the row's
                            accelerator=args.accelerator, env={k: v for k, v in env.items() if k.startswith("DSTRAIN_")})
+        if args.hf:  # what `dstrain run` adds before its ranks start: at ZeRO-3 each decoder layer one fetch
+            from dstrain.launcher.preflight import check_runtime
+            check_runtime(resolved)
     except Exception as err:  # noqa: BLE001 - a bad variant is reported in its row
         row["status"] = f"config error: {err}"
         return row
+    accumulation = resolved.config.train.grad_accum_steps  # dstrain and hand-loop rows; torch steps once
+    row["grad_accum"] = accumulation
     run_dir = work / tag
     shutil.rmtree(run_dir, ignore_errors=True)
     if runner == "dstrain":
@@ -679,7 +771,8 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
         spec = {"runner": runner, "preset": preset, "accelerator": args.accelerator, "config": resolved.config.model_dump(mode="json"),
                 "ds_config": resolved.ds_config, "result_path": str(work / f"{tag}.result.json"),
                 "profile": args.profile and runner in args.profile_runners,
-                "torch_compile": "compile" in flags, "dstrain_loop": "dstrain_loop" in flags,
+                "torch_compile": "compile" in flags, "torch_compile_blocks": "compile_blocks" in flags,
+                "dstrain_loop": "dstrain_loop" in flags,
                 "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags,
                 "dstrain_zero3_step": "dstrain_zero3_step" in flags, "dc_full_schedule": "dc_full_schedule" in flags,
                 "phases": "phases" in flags, "pyprofile": "pyprofile" in flags, "early_prepare": "early_prepare" in flags}
@@ -707,7 +800,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
         if runner == "dstrain":
             intervals = _dstrain_intervals(run_dir)
             row["second_half_tokens_per_s"] = _second_half_rate(run_dir, steps, args.micro_batch * max(gpus, 1)
-                                                                * args.seq_len)
+                                                                * args.seq_len * accumulation)
             row["peak_gpu_gib"] = intervals[-1]["memory_gib"] if args.accelerator == "cuda" and intervals else None
             ds_written = json.loads((run_dir / "ds_config.json").read_text())
             row["ds_config_matches_rendered"] = ds_written == resolved.ds_config
@@ -718,7 +811,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
             for key in ("profile", "phases_ms", "pyprofile"):
                 if key in result:
                     row[key] = result[key]
-        tokens_per_step = args.micro_batch * max(gpus, 1) * args.seq_len
+        tokens_per_step = args.micro_batch * max(gpus, 1) * args.seq_len * (accumulation if runner != "torch" else 1)
         summary = _summarise(intervals, warmup, tokens_per_step)
     except (OSError, KeyError, IndexError, ValueError, statistics.StatisticsError) as err:
         tail = log_path.read_text(errors="replace").splitlines()[-25:] if log_path.exists() else []
@@ -833,9 +926,39 @@ def merge(files: list[Path], output: Path) -> None:
     print(table(merged["rows"]))
 
 
+def _offload_bound_module():
+    """benchmarks/offload_bound.py, wherever the suite was loaded from (a script run or a test's import)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("offload_bound", Path(__file__).with_name("offload_bound.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _offload_rates(args, elements: int) -> dict | None:
+    """The host's Adam bandwidth and the PCIe rates (benchmarks/offload_bound.py), in a process of their own."""
+    env = dict(os.environ, DS_ACCELERATOR=args.accelerator)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("offload_bound.py")), "--elements",
+                           str(elements)], capture_output=True, text=True, env=env, cwd=REPO)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        print(f"offload bound: not measured (exit {done.returncode}): {done.stderr.strip()[-500:]}", flush=True)
+        return None
+    rates = json.loads(lines[-1])
+    pcie = (f"PCIe {rates['h2d_gb_s']:.1f} GB/s to the GPU, {rates['d2h_gb_s']:.1f} GB/s back (pinned)"
+            if rates.get("h2d_gb_s") else "no GPU: PCIe not measured")
+    print(f"offload bound: host Adam {rates['adam_gb_s']:.1f} GB/s ({rates['adam_op']}, {rates['threads']} threads, "
+          f"{elements:,} elements); {pcie}", flush=True)
+    return rates
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["_worker"]:
         return worker(Path(argv[1]))
+    if argv[:1] == ["_build_hf"]:
+        print(f"Hugging Face folder: {build_hf_folder(argv[1], Path(argv[2]))}", flush=True)
+        return 0
     if argv[:1] == ["merge"]:
         p = argparse.ArgumentParser(prog="suite.py merge")
         p.add_argument("files", nargs="+", type=Path)
@@ -857,6 +980,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
     p.add_argument("--data", default="synthetic", help="dstrain data.source: synthetic (random tokens) or corpus")
+    p.add_argument("--hf-shape", choices=sorted(HF_SHAPES), default=None,
+                   help="train a Hugging Face model of this shape (random weights, built once into --hf-dir) "
+                        "instead of the built-in GPT; --n-layer, --d-model, --n-head and --vocab-size do not apply")
+    p.add_argument("--hf-dir", type=Path, default=Path.home() / ".cache" / "dstrain" / "bench-hf",
+                   help="where --hf-shape folders are built and kept")
+    p.add_argument("--model", default="gpt", help="gpt, or hf:FOLDER (a saved Hugging Face causal LM)")
+    p.add_argument("--no-offload-bound", dest="offload_bound", action="store_false",
+                   help="skip measuring the host's Adam bandwidth and PCIe rates for the offload rows' bound")
+    p.add_argument("--bound-elements", type=int, default=1 << 28,
+                   help="elements of the Adam partition timed for the offload bound (default 268M, 4.3 GiB of states)")
     p.add_argument("--steps", type=int, default=60,
                    help="steps per row (offload presets: 1/2, NVMe: 1/5); host-bound rows vary by 10%% "
                         "between intervals, so fewer than ~10 measured intervals give noisy ratios")
@@ -888,6 +1021,16 @@ def main(argv: list[str]) -> int:
 
     device, short, count = _device_info(args.accelerator)
     args.device_name = device
+    if args.hf_shape and args.model != "gpt":
+        p.error("--hf-shape and --model name the model twice: give one")
+    if args.model != "gpt" and not args.model.startswith("hf:"):
+        p.error("--model takes gpt or hf:FOLDER")
+    if args.hf_shape:  # in a process of its own: the driver holds no CUDA context while the rows run
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "_build_hf", args.hf_shape, str(args.hf_dir)],
+                       check=True, env=env, cwd=REPO)
+    args.hf = (str(args.hf_dir / args.hf_shape) if args.hf_shape
+               else args.model[len("hf:"):] if args.model.startswith("hf:") else None)
     gpu_counts = [int(g) for g in args.gpus.split(",")]
     runners = args.runners.split(",")
     presets = [x for x in args.presets.split(",") if x]
@@ -898,6 +1041,8 @@ def main(argv: list[str]) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="dstrain-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     model = _model_info(args)
+    if args.hf:  # the embedding: an hf: model's largest parameter, which stage3_nvme's swap buffers must hold
+        args.largest_param = model["vocab_size"] * model["d_model"]
     suffix = f"x{max(gpu_counts)}" if max(gpu_counts) > 1 else ""
     out_path = args.out / f"{datetime.date.today().isoformat()}-{short}{suffix}.json"
     doc = {"device": device, "versions": _versions(), "model": model, "rows": [],
@@ -905,8 +1050,17 @@ def main(argv: list[str]) -> int:
                      "MFU = TFLOP/s per GPU / the GPU's dense bf16 peak (dstrain.hardware.dense_bf16_peak_tflops)",
            "peak_tflops": None if args.accelerator == "cpu" else _peak(device),
            "command": "python3 benchmarks/suite.py " + " ".join(argv)}
-    print(f"{device}; model {model['params']:,} params, {model['flops_per_token'] / 1e9:.3f} GFLOP/token; "
-          f"results -> {out_path}; logs -> {work}", flush=True)
+    print(f"{device}; model {model['name']} {model['params']:,} params, {model['flops_per_token'] / 1e9:.3f} "
+          f"GFLOP/token; results -> {out_path}; logs -> {work}", flush=True)
+    rates = None
+    if args.offload_bound and any(r in runners for r in RUNNERS[1:]) and any(x in OFFLOAD for x in presets):
+        rates = _offload_rates(args, min(args.bound_elements, model["params"]))
+        doc["offload_rates"] = rates
+    torch_step_s: dict[int, float] = {}  # GPUs -> the torch row's step time: the GPU's part of the bound
+    if out_path.exists():  # an earlier invocation of this call (same machine, same file) may have run torch
+        for r in json.loads(out_path.read_text()).get("rows", []):
+            if r["runner"] == "torch" and not r.get("variant") and r.get("step_ms") and r.get("model_name") == model["name"]:
+                torch_step_s[r["gpus"]] = r["step_ms"] / 1000
 
     plan = []
     base = [] if args.no_base else [("", list(RUNNERS), [], [])]
@@ -931,6 +1085,15 @@ def main(argv: list[str]) -> int:
                  f"(spread {row['spread']:.1%})  GPU {row['peak_gpu_gib']} GiB  RSS {row['host_rss_gib']} GiB  "
                  f"first step {row['first_step_s']} s  wall {row['wall_s']} s  {row['status']}"
                  if rate else f"{row['status']}" + "".join("\n    | " + line for line in row.get("log_tail", []))), flush=True)
+        if runner == "torch" and not variant[0] and rate:
+            torch_step_s[gpus] = row["step_ms"] / 1000
+        if rates and rates.get("adam_gb_s") and preset in OFFLOAD and rate:
+            bound, bound_line = _offload_bound_module().bound, _offload_bound_module().bound_line
+            parts = bound(preset, model["params"], row["grad_accum"], rates, torch_step_s.get(gpus))
+            row["offload_bound"] = {**parts,  # seconds a step
+                                    "fraction": round(parts["bound_s"] / (row["step_ms"] / 1000), 3)}
+            write_results(out_path, {**doc, "rows": [row]})
+            print(bound_line(row, parts), flush=True)
         if row.get("phases_ms"):
             print("  phases (ms, synchronised): " + ", ".join(f"{k} {v}" for k, v in row["phases_ms"].items()),
                   flush=True)

@@ -43,6 +43,30 @@ def test_suite_trains_the_same_model_three_ways_and_writes_the_results_file(tmp_
     assert rows["dstrain"]["vs_deepspeed"] > 0
 
 
+def test_suite_trains_an_hf_shape_eager_and_block_compiled_and_bounds_the_offload_row(tmp_path):
+    """--hf-shape builds the folder once; torch (eager and +compile_blocks) and dstrain train it from the
+    same weights; the offload row carries its fraction of the host's bound."""
+    run_script("suite.py", "--accelerator", "cpu", "--hf-shape", "tiny-qwen2", "--hf-dir", str(tmp_path / "hf"),
+               "--seq-len", "32", "--micro-batch", "2", "--steps", "6", "--log-every", "2", "--warmup", "2",
+               "--runners", "torch,dstrain", "--presets", "stage2_offload", "--variant", "compiled@torch=+compile_blocks",
+               "--bound-elements", "1000000", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"))
+    [path] = (tmp_path / "out").glob("*-cpu.json")
+    doc = json.loads(path.read_text())
+    assert doc["model"]["architecture"] == "Qwen2ForCausalLM" and doc["model"]["name"].startswith("hf:")
+    assert (tmp_path / "hf" / "tiny-qwen2" / "config.json").exists()
+    assert doc["offload_rates"]["adam_gb_s"] > 0 and doc["offload_rates"]["h2d_gb_s"] is None  # no GPU here
+    rows = {(row["runner"], row["variant"]): row for row in doc["rows"]}
+    assert set(rows) == {("torch", ""), ("torch", "compiled"), ("dstrain", "")}
+    for row in rows.values():
+        assert row["status"] == "ok", row
+    # the folder's weights everywhere: the same first loss (torch logs every 2 steps, the offload row every step)
+    first = rows[("torch", "")]["loss_curve"][0][1]
+    assert rows[("torch", "compiled")]["loss_curve"][0][1] == pytest.approx(first, rel=1e-4)
+    bound = rows[("dstrain", "")]["offload_bound"]
+    assert bound["adam_s"] > 0 and bound["gpu_s"] > 0  # the torch row's step time is the GPU's part
+    assert bound["fraction"] == pytest.approx(bound["bound_s"] / (rows[("dstrain", "")]["step_ms"] / 1000), rel=0.01)
+
+
 def test_largest_model_search_trains_the_predicted_depth(tmp_path):
     run_script("largest_model.py", *TINY, "--presets", "stage1", "--max-layers", "2", "--max-trials", "2",
                "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),

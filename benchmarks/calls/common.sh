@@ -11,6 +11,9 @@
 #   1.65b  24 x 2304, 18 heads, vocabulary 50,304,   8 x 1024
 #   3.78b  32 x 3072, 24 heads, vocabulary 50,304,   2 x 2048
 #   6.6b   32 x 4096, 32 heads, vocabulary 32,000,   2 x 2048   (beyond one GPU's DDP: stage3 on 4 GPUs)
+# Hugging Face shapes (suite.py --hf-shape: random weights, built once into ~/.cache/dstrain/bench-hf):
+#   qwen2-1.5b  Qwen2.5-1.5B: 28 x 1536, 12 heads (2 KV), MLP 8960, vocabulary 151,936, tied, 4 x 2048
+#   llama-1b    Llama 3.2-1B: 16 x 2048, 32 heads (8 KV), MLP 8192, vocabulary 128,256, tied, 4 x 2048
 # Environment: OUT (where results and logs go; the device tool sets it, default
 # benchmarks/results/<date>-calls), STEPS (steps a row, default per script), EXTRA (more suite.py
 # arguments for every row, e.g. "--set train.lr=3e-4").
@@ -31,7 +34,8 @@ shape_args() {
     1.65b) echo "--n-layer 24 --d-model 2304 --n-head 18 --vocab-size 50304" ;;
     3.78b) echo "--n-layer 32 --d-model 3072 --n-head 24 --vocab-size 50304 --seq-len 2048 --micro-batch 2" ;;
     6.6b)  echo "--n-layer 32 --d-model 4096 --n-head 32 --vocab-size 32000 --seq-len 2048 --micro-batch 2" ;;
-    *) echo "unknown shape '$1' (124m, 406m, 615m, 913m, 1.3b, 2.65b, 1.65b, 3.78b, 6.6b)" >&2; return 2 ;;
+    qwen2-1.5b|llama-1b) echo "--hf-shape $1 --seq-len 2048 --micro-batch 4" ;;
+    *) echo "unknown shape '$1' (124m, 406m, 615m, 913m, 1.3b, 2.65b, 1.65b, 3.78b, 6.6b, qwen2-1.5b, llama-1b)" >&2; return 2 ;;
   esac
 }
 
@@ -57,7 +61,7 @@ summarize() {
   for log in "$@"; do
     [ -f "$log" ] || continue
     echo "== $log"
-    grep -E "^(torch|dstrain|deepspeed|lightning) +(stage|none)|FAILED|Error" "$log" | grep -v "  -  "
+    grep -E "^(torch|dstrain|deepspeed|lightning) +(stage|none)|^ *offload bound|FAILED|Error" "$log" | grep -v "  -  "
   done
   tar -czf "$OUT/rowlogs.tgz" -C "$WORK" $(cd "$WORK" && ls ./*.log 2>/dev/null) 2>/dev/null
   { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; nproc; } > "$OUT/machine.txt"

@@ -226,7 +226,9 @@ class TrainConfig(Section):
     memory, 30-50 s more to the first step until torch's compile cache is warm), and wherever
     deepspeed.compile.deepcompile is on (set it true to have it; dstrain leaves it off: eager ZeRO-3 with
     dstrain's step ran as fast); off otherwise (ZeRO-3 without DeepCompile measured no faster compiled;
-    set true to compile your own model)."""
+    set true to compile your own model). An "hf:" model is compiled region by region, each decoder layer
+    on its own (the rest eager), at every ZeRO stage; "auto" turns that on in bf16 on CUDA without offload
+    or activation checkpointing, except LoRA at ZeRO-3 (docs/performance.md)."""
     seed: int = 1234
     """Seed for model init, data order and dropout; the same seed gives the same run."""
     log_every: PositiveInt = 10

@@ -123,8 +123,9 @@ def _blocks_gib(config: RunConfig) -> float:
 
 
 def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, notes: dict[str, str]) -> None:
-    """train.compile "auto": on only where compiling was measured faster (docs/benchmarks.md), and
-    wherever DeepCompile is on, since engine.compile() is what starts it."""
+    """train.compile "auto": on where compiling was measured faster (docs/benchmarks.md), wherever
+    DeepCompile is on, since engine.compile() is what starts it, and for an hf: model's decoder layers
+    compiled one by one (issue 39's target; its GPU measurement is pending, docs/performance.md)."""
     if config.train.compile != "auto":
         return
     if deepcompile_on(ds):
@@ -134,13 +135,21 @@ def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, not
     zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
     offloaded = [part for part in ("offload_optimizer", "offload_param")
                  if isinstance(zero.get(part), dict) and zero[part].get("device", "none") != "none"]
+    hf = config.model.name.startswith("hf:")
+    stage = zero.get("stage", 0)
+    lora = config.model.lora
     if accelerator != "cuda":
         why_off = f"not on {accelerator}"
-    elif config.model.name != "gpt":
+    elif config.model.name != "gpt" and not hf:
         why_off = "your own model: set true to compile it"
     elif config.train.precision != "bf16":
         why_off = f"{config.train.precision} was not measured"
-    elif zero.get("stage", 0) == 3:
+    elif hf and lora is not None and lora.quantize is not None:
+        why_off = f"a {lora.quantize}-quantized base was not tried compiled"
+    elif hf and lora is not None and stage == 3:
+        why_off = ("LoRA at ZeRO stage 3: the frozen base's decoder layers are not ZeRO-3 leaf modules, so "
+                   "DeepSpeed's per-layer hooks would fall inside each compiled block")
+    elif stage == 3 and not hf:
         why_off = "ZeRO stage 3 measured no faster compiled without DeepCompile"
     elif offloaded:
         why_off = f"{offloaded[0]} was not measured"
@@ -149,7 +158,13 @@ def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, not
     else:
         why_off = None
     config.train.compile = why_off is None
-    notes["train.compile"] = "auto: on (the built-in GPT, bf16, CUDA, ZeRO 0-2)" if why_off is None else f"auto: off ({why_off})"
+    if why_off is not None:
+        notes["train.compile"] = f"auto: off ({why_off})"
+    elif hf:  # regional: rank/runtime.py compile_hf_blocks; DeepSpeed's ZeRO-3 hooks stay outside each block
+        notes["train.compile"] = (f"auto: on (an hf: model, bf16, CUDA, ZeRO {stage}: each decoder layer compiled "
+                                  "on its own, the rest eager)")
+    else:
+        notes["train.compile"] = "auto: on (the built-in GPT, bf16, CUDA, ZeRO 0-2)"
 
 
 def check_deepcompile(config: RunConfig, ds: dict[str, Any], merged: Merged, accelerator: str,
@@ -180,7 +195,12 @@ def compile_warnings(config: RunConfig, ds: dict[str, Any], merged: Merged, warn
     """Compilation settings that were measured to slow training down (docs/benchmarks.md)."""
     zero = ds.get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if config.train.compile and stage == 3 and not deepcompile_on(ds):
+    hf = config.model.name.startswith("hf:")
+    if config.train.compile and stage == 3 and hf and config.model.lora is not None and not deepcompile_on(ds):
+        warnings.append(f"{merged.where('train.compile')}: with LoRA at ZeRO stage 3 the model stays eager: its "
+                        "decoder layers are not ZeRO-3 leaf modules (the base is frozen), and DeepSpeed's "
+                        "per-layer hooks would fall inside each compiled block; consider train.compile=false")
+    elif config.train.compile and stage == 3 and not hf and not deepcompile_on(ds):
         warnings.append(f"{merged.where('train.compile')}: with ZeRO stage 3 compiling without DeepCompile "
                         "measured no faster than eager: the built-in GPT's blocks compiled one by one (ZeRO-3 "
                         "leaf modules, DeepSpeed's hooks outside the graph) 0.91-0.94x on a 406M GPT and 1.00x "

@@ -176,12 +176,26 @@ def _from_config(config: RunConfig, hf_config) -> nn.Module:
 # ------------------------------------------------------------------ building
 
 
+def _block_names(model: nn.Module) -> set[str]:
+    """The class names transformers never splits across devices (`_no_split_modules`, e.g. LlamaDecoderLayer)."""
+    return {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
+
+
 def block_class(model: nn.Module) -> str | None:
     """The qualified class name of the model's repeated block: the module transformers never splits
     across devices (`_no_split_modules`, e.g. LlamaDecoderLayer); None when the model names none."""
-    names = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
+    names = _block_names(model)
     block = next((type(m) for m in model.modules() if type(m).__name__ in names), None)
     return f"{block.__module__}.{block.__qualname__}" if block else None
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers, in order: the modules of its `_no_split_modules` classes that sit in
+    a ModuleList (`model.layers`, `transformer.h`); a LoRA-wrapped model's too (peft keeps the classes).
+    Empty when the model names no such class. What regional compilation compiles one by one."""
+    names = _block_names(model)
+    return [child for m in model.modules() if isinstance(m, nn.ModuleList)
+            for child in m if type(child).__name__ in names]
 
 
 def skeleton_builder(config: RunConfig) -> Callable[[], nn.Module]:

@@ -155,8 +155,11 @@ def enable_activation_checkpointing(model, ds_config: dict, rank: int) -> None:
               "method; it runs without checkpointing", file=sys.stderr)
 
 
-def compile_engine(engine, ds_config: dict, world: int) -> None:
-    """engine.compile(), after any checkpoint is loaded. With DeepCompile, dstrain hands DeepSpeed the
+def compile_engine(engine, ds_config: dict, world: int) -> str | None:
+    """Compile the model after any checkpoint is loaded; a line for rank 0 to print, or None.
+
+    An hf: model without DeepCompile is compiled region by region (compile_hf_blocks): each decoder
+    block on its own, at every stage. Any other model: engine.compile(). With DeepCompile, dstrain hands DeepSpeed the
     pass schedule itself, for two reasons (docs/benchmarks.md, finding 32):
     - DeepSpeed's schedule starts at global step 0 and a resumed run starts later, so it never
       started: the first step after a resume failed (its passes were None). Here it starts at the
@@ -172,11 +175,15 @@ def compile_engine(engine, ds_config: dict, world: int) -> None:
     # DeepSpeed turns its parameter-offload pass on by itself when ZeRO offloads the parameters
     own_schedule = section.get("passes") or (zero.get("offload_param") or {}).get("device", "none") != "none" or any(
         section.get(key) for key in ("offload_parameters", "offload_opt_states", "offload_activation"))
+    if section.get("deepcompile") is not True:
+        from dstrain.models.hf import CausalLM
+        if isinstance(engine.module, CausalLM):
+            return compile_hf_blocks(engine.module, stage)
     if section.get("deepcompile") is not True and stage == 3 and compile_zero3_leaf_modules(engine):
-        return
+        return None
     if section.get("deepcompile") is not True or stage not in (1, 2, 3) or own_schedule:
         engine.compile()
-        return
+        return None
     from deepspeed.compile.init_z3 import WARMUP
     from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile
     start = engine.global_steps
@@ -184,12 +191,45 @@ def compile_engine(engine, ds_config: dict, world: int) -> None:
         passes = zero_1_and_2_passes()
         reduce = passes.add_z1_reduce if stage == 1 else passes.add_z2_reduce
         engine.compile(schedule=[(start, [reduce])])
-        return
+        return None
     schedule = [(start, [zero3_compile.add_z3_gather_release])]
     if world > 1:
         schedule.append((start + WARMUP, [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch,
                                           selective_gather.selective_gather]))
     engine.compile(schedule=schedule)
+    return None
+
+
+def compile_hf_blocks(model, stage: int) -> str:
+    """Regional compilation of an hf: model (as torchtitan compiles its blocks): each decoder layer's
+    forward compiled on its own, dynamic=False; the embedding, rotary table, mask, final norm, head and
+    loss stay eager. What it did, or why it left the model eager, as one line.
+
+    Why per block: every layer runs the same code on same-shaped inputs, so dynamo traces one graph and
+    the other layers reuse it (one compile, not one per layer: the first step stays short), and the
+    forward is compiled, not the module's call, so DeepSpeed's ZeRO-3 hooks on a leaf module (dstrain
+    makes each decoder layer one) run eagerly around the graph, never inside it. A Llama or Qwen2 layer
+    traces as one graph with no breaks (transformers 5.x: the attention dispatch, the rotary
+    `position_embeddings` tuple, a None cache and mask; tests/test_hf_compile.py).
+    ZeRO-3 where the layers are not leaf modules (LoRA: a frozen base keeps DeepSpeed's per-linear
+    hooks) stays eager: those hooks would fall inside each block's graph and break it."""
+    import torch
+    from dstrain.models.hf import decoder_blocks
+
+    blocks = decoder_blocks(model)
+    if not blocks:
+        return ("compile: left eager: the model names no decoder-layer class (_no_split_modules) in a "
+                "ModuleList to compile one by one")
+    name = type(blocks[0]).__name__
+    if stage == 3:
+        from deepspeed.utils import z3_leaf_module
+        if not all(z3_leaf_module(block) for block in blocks):
+            return (f"compile: left eager: at ZeRO-3 each {name} must be a leaf module (one fetch) to compile "
+                    "without DeepSpeed's per-layer hooks inside its graph; it is not (LoRA, or a "
+                    "leaf_module setting of your own)")
+    for block in blocks:
+        block.forward = torch.compile(block.forward, dynamic=False)
+    return f"compile: {len(blocks)} {name} blocks compiled one by one (regional); the rest of the model stays eager"
 
 
 def zero_1_and_2_passes():

@@ -167,8 +167,7 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: rundir.LaunchInfo
     resume = launch.resume
     restored = _restore(engine, resume, rank, world) if resume else None
     start_step = int(restored["step"]) if restored else 0
-    if config.train.compile:
-        compile_engine(engine, ds_config, world)
+    compiled = compile_engine(engine, ds_config, world) if config.train.compile else None
 
     tokens_per_step = config.train.global_batch_size * config.data.seq_len
     flops = flops_per_token(model, config, n_params)
@@ -188,6 +187,8 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: rundir.LaunchInfo
                                   soft_wrap=True)
         if resume:
             metrics.console.print(f"resumed from {resume.tag} at step {start_step}")
+        if compiled:
+            metrics.console.print(compiled, soft_wrap=True)
         now = time.perf_counter()
         gate = f", {_waited_at_gate_s:.1f} s of them waiting for dstrain run's checks" if _waited_at_gate_s >= 0.05 else ""
         metrics.console.print(f"[dim]ready in {now - started:.1f} s (data {data_ready - started:.1f} s, model and "
