@@ -25,7 +25,8 @@ def model_builder(config: RunConfig) -> Callable[[], nn.Module]:
     m = config.model
     if m.name == "gpt":
         from dstrain.models.gpt import GPT
-        return lambda: GPT(m.vocab_size, config.data.seq_len, m.d_model, m.n_layer, m.n_head, m.dropout)
+        chunk = config.train.loss_chunk_tokens if config.train.loss_chunking is True else None
+        return lambda: GPT(m.vocab_size, config.data.seq_len, m.d_model, m.n_layer, m.n_head, m.dropout, chunk)
     from dstrain.models import hf
     if hf.is_hf(m.name):
         return hf.skeleton_builder(config)  # random weights: counting, estimates; build_model loads them

@@ -18,7 +18,9 @@ weight's dtype) exists from the forward on, and the function is meant to be the 
 called once per backward (a second backward through it raises).
 
 `chunked_cross_entropy` is the entry point; `LMHeadLoss` is the module dstrain's models call it through,
-so that DeepSpeed ZeRO-3 gathers the head's weight around it (see there).
+so that DeepSpeed ZeRO-3 gathers the head's weight around it (see there). Under torch.compile dynamo
+traces the function whole, its chunk loop unrolled (checked once on CPU: same loss and gradients, no graph
+break; its memory and speed compiled are not measured).
 """
 
 from __future__ import annotations
@@ -78,7 +80,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-@torch.compiler.disable  # a loop of chunks: the rest of a compiled model compiles, this runs eagerly
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           bias: torch.Tensor | None = None, chunk: int = 1024,
                           ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
