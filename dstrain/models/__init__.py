@@ -90,6 +90,8 @@ class ModelFacts(NamedTuple):
     trainable: int      # of which reach the optimizer (LoRA adapters, train.trainable / train.frozen)
     largest: int        # the largest single module's direct parameters
     block_class: str | None  # qualified class of an hf: model's repeated block (its transformer layer)
+    loss_chunking: bool = False  # the LM loss runs through the chunked head (train.loss_chunking decided)
+    loss_note: str | None = None  # why an hf: model keeps its own loss although chunking was asked
 
 
 def check_model(config: RunConfig) -> ModelFacts:
@@ -111,7 +113,8 @@ def check_model(config: RunConfig) -> ModelFacts:
         if Path(hf.source_of(config)).is_dir():  # a hub id is downloaded by the ranks, not here
             hf.weight_files(config)
         block = hf.block_class(model)
-    return ModelFacts(params, trainable_parameters(model), largest, block)
+    chunked = getattr(model, "lm_loss", None) is not None
+    return ModelFacts(params, trainable_parameters(model), largest, block, chunked, getattr(model, "loss_note", None))
 
 
 def flops_per_token(model, config: RunConfig, n_params: int) -> float:
