@@ -117,6 +117,25 @@ def check_model(config: RunConfig) -> ModelFacts:
     return ModelFacts(params, trainable_parameters(model), largest, block, chunked, getattr(model, "loss_note", None))
 
 
+def model_shape(model, config: RunConfig) -> dict[str, Any]:
+    """What the memory estimate needs of a built model (Workload fields): layers, width, heads and
+    vocabulary (an hf: model's from its config, the built-in GPT's and an entry point's from model.*),
+    and the LM loss's tokens per chunk (None: the whole logits)."""
+    lm_loss = getattr(model, "lm_loss", None)
+    m = config.model
+    shape = {"n_layer": m.n_layer, "d_model": m.d_model, "n_head": m.n_head, "vocab_size": m.vocab_size,
+             "loss_chunk_tokens": lm_loss.chunk if lm_loss is not None else None}
+    from dstrain.models.hf import CausalLM
+    if isinstance(model, CausalLM):
+        hf_config = model.model.config
+        for key, names in (("n_layer", ("num_hidden_layers", "n_layer")), ("d_model", ("hidden_size", "n_embd")),
+                           ("n_head", ("num_attention_heads", "n_head")), ("vocab_size", ("vocab_size",))):
+            value = next((getattr(hf_config, n) for n in names if isinstance(getattr(hf_config, n, None), int)), None)
+            if value:
+                shape[key] = value
+    return shape
+
+
 def flops_per_token(model, config: RunConfig, n_params: int) -> float:
     """Training FLOPs per token of `model` (forward and backward), for TFLOP/s and MFU."""
     from dstrain.models.gpt import GPT, flops_per_token as gpt_flops_per_token
