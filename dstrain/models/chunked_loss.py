@@ -62,10 +62,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad = grad.to(h.dtype)
             if need_hidden:
                 grad_hidden[start:end] = grad @ weight.to(grad.dtype)
-            if need_weight:
-                grad_weight += (grad.t() @ h.to(grad.dtype)).float()
+            if need_weight:  # the product in the compute dtype, summed into fp32 without an fp32 copy of it
+                grad_weight.add_(grad.t() @ h.to(grad.dtype))
             if need_bias:
-                grad_bias += grad.float().sum(0)
+                grad_bias.add_(grad.sum(0, dtype=torch.float32))
         ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                      None if grad_bias is None else grad_bias.to(bias.dtype))
         return loss_sum / count
