@@ -154,3 +154,32 @@ def test_true_on_your_own_model_is_an_error_naming_the_key():
                 accelerator="cpu")
     problem = err.value.problems[0]
     assert "train.loss_chunking" in problem.where and "chunked_cross_entropy" in problem.fix
+
+
+def test_dstrain_run_decides_auto_for_an_hf_model_before_the_ranks_start(tmp_path):
+    """The pre-launch check builds the model on the meta device: a 40,000-token Llama chunks, and a
+    Gemma 2 (soft-capped logits) asked for chunking keeps its own loss, with one note."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from hf_models import save_tiny_llama
+    from dstrain.launcher.preflight import check_runtime
+
+    def checked(model_dir, *sets):
+        resolved = resolve(None, None, [f"model.name=hf:{model_dir}", "data.source=synthetic", "data.seq_len=32",
+                                        *sets], world_size=1, accelerator="cpu")
+        check_runtime(resolved)
+        return resolved
+
+    large = checked(save_tiny_llama(tmp_path / "llama", vocab_size=40_000))
+    assert large.config.train.loss_chunking is True
+    assert large.sources["train.loss_chunking"] == ("auto: on for this model (vocabulary 40,000 >= 32,768, "
+                                                    "LlamaForCausalLM splits into body and head)")
+    small = checked(save_tiny_llama(tmp_path / "small"))
+    assert small.config.train.loss_chunking is False and "vocabulary 256 < 32,768" in small.sources["train.loss_chunking"]
+    gemma_dir = tmp_path / "gemma2"
+    AutoModelForCausalLM.from_config(Gemma2Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16)).save_pretrained(gemma_dir)
+    gemma = checked(gemma_dir, "train.loss_chunking=true")
+    assert gemma.config.train.loss_chunking is False
+    assert [w for w in gemma.warnings if w.startswith("train.loss_chunking: Gemma2ForCausalLM:")]

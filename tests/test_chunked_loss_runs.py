@@ -21,7 +21,9 @@ def run(run_dir, model_dir, *sets: str):
     args = ["run", "--preset", "stage3", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir)]
     for item in (f"model.name=hf:{model_dir}", "data.tokenizer=byte", "data.seq_len=32", "train.micro_batch_size=2",
                  "train.max_steps=3", "train.lr=0.01", "train.warmup_steps=0", "train.log_every=1",
-                 "train.eval_batches=1", "train.eval_every=1000", "train.save_checkpoints=false", *sets):
+                 "train.eval_batches=1", "train.eval_every=1000", "train.save_checkpoints=false",
+                 # every weight partitioned (none kept whole): the head's is gathered around each use
+                 "deepspeed.zero_optimization.stage3_param_persistence_threshold=0", *sets):
         args += ["--set", item]
     return dstrain(*args)
 

@@ -92,6 +92,7 @@ class ModelFacts(NamedTuple):
     block_class: str | None  # qualified class of an hf: model's repeated block (its transformer layer)
     loss_chunking: bool = False  # the LM loss runs through the chunked head (train.loss_chunking decided)
     loss_note: str | None = None  # why an hf: model keeps its own loss although chunking was asked
+    loss_why: str | None = None  # why an hf: model's loss is chunked or not (train.loss_chunking decided)
 
 
 def check_model(config: RunConfig) -> ModelFacts:
@@ -114,7 +115,8 @@ def check_model(config: RunConfig) -> ModelFacts:
             hf.weight_files(config)
         block = hf.block_class(model)
     chunked = getattr(model, "lm_loss", None) is not None
-    return ModelFacts(params, trainable_parameters(model), largest, block, chunked, getattr(model, "loss_note", None))
+    return ModelFacts(params, trainable_parameters(model), largest, block, chunked, getattr(model, "loss_note", None),
+                      getattr(model, "loss_why", None))
 
 
 def model_shape(model, config: RunConfig) -> dict[str, Any]:

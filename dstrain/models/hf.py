@@ -79,6 +79,7 @@ class CausalLM(nn.Module):
         self.model = model
         self.lm_loss: nn.Module | None = None
         self.loss_note: str | None = None
+        self.loss_why = "train.loss_chunking=false"  # why the loss is chunked or not, for the plan's sources
         self._body: tuple[nn.Module, ...] = ()  # the decoder body, held outside the module tree
         if chunking is False:
             return
@@ -86,13 +87,17 @@ class CausalLM(nn.Module):
         from dstrain.models.chunked_loss import LMHeadLoss
         problem = split_problem(model)
         if problem is not None:
-            self.loss_note = (f"train.loss_chunking: {_architecture(model)}: {problem}; its own loss runs "
-                              "(whole logits)")
+            self.loss_why = f"{_architecture(model)}: {problem}"
+            self.loss_note = f"train.loss_chunking: {self.loss_why}; its own loss runs (whole logits)"
             return
         inner = _unwrapped(model)
         head = inner.get_output_embeddings()
-        if chunking == "auto" and head.out_features < LOSS_CHUNKING_MIN_VOCAB:
+        vocab = head.out_features
+        if chunking == "auto" and vocab < LOSS_CHUNKING_MIN_VOCAB:
+            self.loss_why = f"vocabulary {vocab:,} < {LOSS_CHUNKING_MIN_VOCAB:,}: small logits"
             return
+        self.loss_why = (f"vocabulary {vocab:,} >= {LOSS_CHUNKING_MIN_VOCAB:,}" if chunking == "auto" else
+                         "train.loss_chunking=true") + f", {_architecture(model)} splits into body and head"
         self._body = (getattr(inner, inner.base_model_prefix),)
         self.lm_loss = LMHeadLoss(head, chunk_tokens)
 
