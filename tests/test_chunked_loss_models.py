@@ -183,3 +183,15 @@ def test_dstrain_run_decides_auto_for_an_hf_model_before_the_ranks_start(tmp_pat
     gemma = checked(gemma_dir, "train.loss_chunking=true")
     assert gemma.config.train.loss_chunking is False
     assert [w for w in gemma.warnings if w.startswith("train.loss_chunking: Gemma2ForCausalLM:")]
+
+
+def test_fp16_keeps_the_whole_logits():
+    """fp16's loss scale multiplies the gradients in backward, after the chunked loss has formed them in
+    the forward: auto is off, and true is an error naming the key and the fix."""
+    from dstrain.errors import UserError
+    resolved = resolve(None, None, ["model.vocab_size=50304", "train.precision=fp16"], world_size=1, accelerator="cuda")
+    assert resolved.config.train.loss_chunking is False and "fp16" in resolved.sources["train.loss_chunking"]
+    with pytest.raises(UserError) as err:
+        resolve(None, None, ["train.precision=fp16", "train.loss_chunking=true"], world_size=1, accelerator="cuda")
+    problem = err.value.problems[0]
+    assert "train.loss_chunking" in problem.where and "train.precision=bf16" in problem.fix

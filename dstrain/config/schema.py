@@ -235,7 +235,8 @@ class TrainConfig(Section):
     rounding. For the built-in GPT and "hf:" models whose forward dstrain can split into the decoder body and
     the head (Llama, Qwen2, Mistral, GPT-2, ...; others keep their own loss, with a note); your own model
     computes its loss itself. "auto": on where the vocabulary has at least 32,768 tokens
-    (LOSS_CHUNKING_MIN_VOCAB: smaller logits cost little), decided when the model is known; false: the
+    (LOSS_CHUNKING_MIN_VOCAB: smaller logits cost little), decided when the model is known, and never in
+    fp16 (the gradients are formed before the loss scale applies; true there is an error); false: the
     whole logits, as before."""
     loss_chunk_tokens: PositiveInt = 1024
     """Tokens per chunk of train.loss_chunking: one chunk's logits (compute dtype, fp32 and the gradient:

@@ -201,6 +201,17 @@ def resolve_loss_chunking(config: RunConfig, merged: Merged, notes: dict[str, st
                                 "set train.loss_chunking=auto (or false), or call dstrain.models.chunked_loss."
                                 "chunked_cross_entropy(hidden, head.weight, labels) in your model's forward"))
         return
+    if config.train.precision == "fp16" and chosen is not False:
+        # The chunked loss forms its gradients in the forward, before backward multiplies them by fp16's
+        # loss scale: in fp16 the small ones would flush to zero where the reference keeps them.
+        if chosen is True:
+            problems.append(Problem("the chunked loss forms its gradients before fp16's loss scale applies, so small "
+                                    "ones would underflow", merged.where("train.loss_chunking"),
+                                    "train in bf16 (train.precision=bf16), or set train.loss_chunking=false"))
+            return
+        config.train.loss_chunking = False
+        notes["train.loss_chunking"] = "auto: off (fp16: the chunked gradients would underflow before the loss scale)"
+        return
     if chosen != "auto":
         return
     if not builtin_or_hf:
