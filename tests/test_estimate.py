@@ -477,3 +477,29 @@ def test_the_plan_of_an_hf_model_takes_its_shape_and_its_loss_chunking(tmp_path)
     off = make_plan(None, sets + ["train.loss_chunking=false"], None, 1, 1, 80, 64, "cuda")
     assert off.workload.loss_chunk_tokens is None
     assert off.estimates[0].gpu_bytes_per_gpu > plan.estimates[0].gpu_bytes_per_gpu
+
+
+def test_largest_micro_batch_is_the_last_that_fits_and_grows_with_chunking():
+    from dataclasses import replace
+
+    from dstrain.tools.estimate.memory import largest_micro_batch
+    placement = placement_from_ds_config(PRESETS["stage2"])
+    hw = node(gpus=8, gpu_gib=80)
+    whole = gpt(QWEN_PARAMS, 28, 1536, vocab=151_936, n_head=12, seq_len=1024, micro_batch=4)
+    chunked = gpt(QWEN_PARAMS, 28, 1536, vocab=151_936, n_head=12, seq_len=1024, micro_batch=4, loss_chunk_tokens=1024)
+    for work in (whole, chunked):
+        best = largest_micro_batch(placement, work, hw)
+        assert estimate_one("x", placement, replace(work, micro_batch=best), hw).fits
+        assert not estimate_one("x", placement, replace(work, micro_batch=best + 1), hw).fits
+    assert largest_micro_batch(placement, chunked, hw) > 1.3 * largest_micro_batch(placement, whole, hw)
+    assert largest_micro_batch(placement, whole, node(gpus=1, gpu_gib=1)) == 0
+
+
+def test_the_plan_says_how_large_a_micro_batch_chunking_lets_fit():
+    from dstrain.tools.estimate.planner import make_plan
+    sets = ["model.vocab_size=151936", "data.seq_len=1024", "train.micro_batch_size=4"]
+    plan = make_plan(None, sets, 1.5e9, 1, 1, 80, 512, "cuda")
+    [note] = [n for n in plan.notes if "micro batch up to" in n]
+    assert note.startswith(f"{plan.recommended}: micro batch up to ") and "with the whole logits" in note
+    off = make_plan(None, sets + ["train.loss_chunking=false"], 1.5e9, 1, 1, 80, 512, "cuda")
+    assert not [n for n in off.notes if "micro batch up to" in n]

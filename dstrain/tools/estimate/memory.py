@@ -445,6 +445,23 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
     )
 
 
+def largest_micro_batch(placement: Placement, work: Workload, hw: Hardware, limit: int = 4096) -> int:
+    """The largest micro batch (at most `limit`) whose estimate fits, all else as in `work`; 0 where
+    not even one sequence does. Memory grows with the micro batch, so a bisection finds it."""
+    def fits(micro: int) -> bool:
+        return estimate_one("largest", placement, replace(work, micro_batch=micro), hw).fits
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:  # fits(low), not fits(high) (or past the limit)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 # train.activation_checkpointing "auto" turns checkpointing off only where the run without it is estimated
 # to need at most this share of each GPU: the offload presets' GPU estimate ran up to 2x low against
 # measured peaks (docs/benchmarks.md, "Memory estimate against these measurements").

@@ -92,7 +92,20 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         work = workload(r.config, r.ds_config, total, largest, checkpointing, shape)
         estimates.append(E.estimate_one(name, E.placement_from_ds_config(r.ds_config), work, hw))
     recommended, reason = E.recommend(estimates)
+    if recommended is not None and work is not None and work.loss_chunk_tokens is not None:
+        notes.append(micro_batch_note(recommended, resolved[recommended].ds_config, estimates, work, hw))
     return Plan(estimates, recommended, reason, hw, work, notes)
+
+
+def micro_batch_note(name: str, ds_config: dict, estimates: list, work, hw) -> str:
+    """How large a micro batch the chunked LM loss lets the preset fit, against the whole logits."""
+    from dstrain.tools.estimate import memory as E
+
+    placement = next(e.placement for e in estimates if e.name == name)
+    chunked = E.largest_micro_batch(placement, work, hw)
+    whole = E.largest_micro_batch(placement, replace(work, loss_chunk_tokens=None), hw)
+    return (f"{name}: micro batch up to {chunked} fits with the LM loss in chunks, {whole} with the whole logits "
+            f"(train.loss_chunking; this run: {work.micro_batch})")
 
 
 def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpointing: bool, shape: dict | None = None):
@@ -131,4 +144,5 @@ def choose_preset(config_file: Path | None, sets: list[str], ranks: int, nodes: 
     plan = make_plan(config_file, sets, None, ranks, nodes, None, None, accelerator)
     if plan.recommended is None:
         raise UserError.single(plan.reason, "--preset auto", "see `dstrain estimate` for the figures")
-    return plan.recommended, plan.reason
+    micro = [n for n in plan.notes if n.startswith(f"{plan.recommended}: micro batch up to")]
+    return plan.recommended, plan.reason + "".join(f"; {n.split(': ', 1)[1]}" for n in micro)
