@@ -82,6 +82,16 @@ def test_hf_models_give_the_same_loss_and_gradients_chunked(build):
         _same(off, on, batch)
 
 
+def test_transformers_activation_checkpointing_still_applies_to_the_body():
+    """train.activation_checkpointing on an hf: model is transformers' per-layer checkpointing: the body
+    called alone recomputes its layers as the whole model would."""
+    off = CausalLM(_qwen2(tied=True), chunking=False)
+    on = CausalLM(_qwen2(tied=True), chunking=True, chunk_tokens=7)
+    on.enable_checkpointing(None)
+    assert on.model.is_gradient_checkpointing
+    _same(off, on, _batches()["packed"])
+
+
 def test_the_chunked_loss_is_transformers_own_loss():
     """A dict batch's loss is what the model's own forward with labels returns (ForCausalLMLoss)."""
     model = _qwen2(tied=True)
