@@ -132,3 +132,16 @@ def test_lm_head_loss_leaves_the_state_dict_unchanged():
     labels = torch.randint(0, 11, (5,))
     torch.testing.assert_close(model.loss(hidden, labels), reference_cross_entropy(hidden, head.weight, labels),
                                rtol=1e-5, atol=0)
+
+
+def test_autocast_over_fp32_weights_matches_the_reference_under_autocast():
+    """mixed_precision autocast (and the suite's torch runner): fp32 weights and hidden states, products in
+    bf16; the gradients come back in fp32, within bf16 rounding of the reference's."""
+    hidden, weight, b, labels = _case(rows=48, width=32, vocab=211, bias=True, ignore=(4,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = _loss_and_grads(reference_cross_entropy, hidden, weight, b, labels)
+        got, grads = _loss_and_grads(chunked_cross_entropy, hidden, weight, b, labels, chunk=20)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
+    for g, w in zip(grads, want_grads):
+        assert g.dtype == torch.float32
+        _close(g, w, 2e-2)

@@ -44,12 +44,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        # The compute dtype: autocast's (over fp32 weights), else the weight's. The weight is cast once,
+        # not in every chunk's product (autocast keeps such a copy for backward too).
+        device_type = hidden.device.type
+        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        w = weight.to(compute)
+        b = None if bias is None else bias.to(compute)
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
-            h = hidden[start:end]
+            h = hidden[start:end].to(compute)
             keep = ~ignored[start:end]
             target = torch.where(keep, labels[start:end], 0).unsqueeze(1)
-            logits = F.linear(h, weight, bias).float()  # this chunk's logits only, upcast as the reference does
+            logits = F.linear(h, w, b).float()  # this chunk's logits only, upcast as the reference does
             lse = torch.logsumexp(logits, dim=-1)
             loss_sum += ((lse - logits.gather(1, target).squeeze(1)) * keep).sum()
             if not (need_hidden or need_weight or need_bias):
@@ -59,11 +65,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad = logits.sub_(lse.unsqueeze(1)).exp_()
             grad.scatter_add_(1, target, -keep.to(grad.dtype).unsqueeze(1))
             grad.mul_((keep.to(grad.dtype) / count).unsqueeze(1))
-            grad = grad.to(h.dtype)
+            grad = grad.to(compute)
             if need_hidden:
-                grad_hidden[start:end] = grad @ weight.to(grad.dtype)
+                grad_hidden[start:end] = grad @ w
             if need_weight:  # the product in the compute dtype, summed into fp32 without an fp32 copy of it
-                grad_weight.add_(grad.t() @ h.to(grad.dtype))
+                grad_weight.add_(grad.t() @ h)
             if need_bias:
                 grad_bias.add_(grad.sum(0, dtype=torch.float32))
         ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
