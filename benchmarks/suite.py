@@ -51,6 +51,9 @@ Examples:
   python3 benchmarks/suite.py --presets stage1 --variant "compile@torch,deepspeed,dstrain=train.compile=true;+compile"
   python3 benchmarks/suite.py --accelerator cpu --n-layer 2 --d-model 64 --n-head 2 --seq-len 32 \\
       --vocab-size 256 --micro-batch 2 --steps 6 --log-every 2 --warmup 2    # CPU smoke test
+  python3 benchmarks/suite.py --vocab-size 151936 --presets stage2 --no-base \\
+      --variant "whole@torch,dstrain=train.loss_chunking=false" \\
+      --variant "chunked@torch,dstrain=train.loss_chunking=true"   # the LM loss whole or in chunks
   python3 benchmarks/suite.py merge A.json B.json -o benchmarks/results/2026-11-22-h100.json
   python3 benchmarks/suite.py --runners dstrain --presets stage2 --no-base --log-cost   # cost of logging
   python3 benchmarks/suite.py --hf-shape qwen2-1.5b --seq-len 2048 --micro-batch 4 --runners torch,dstrain \

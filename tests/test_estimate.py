@@ -419,3 +419,87 @@ def test_cpu_offload_counts_the_offload_steps_gpu_staging_chunk():
     assert zero3_params["buffers"]["offload_step_staging"] == 6 * DEFAULT_CHUNK_ELEMENTS
     for placement in (Placement(2, "none", precision="bf16"), Placement(3, "nvme", "nvme", precision="bf16")):
         assert "offload_step_staging" not in estimate_one("s", placement, LLAMA_7B, hw).gpu_breakdown["buffers"]
+
+
+# (7) the LM loss's logits, whole or in chunks (train.loss_chunking)
+
+QWEN_PARAMS = 1_543_714_304  # a Qwen2.5-1.5B shape: 28 layers x 1536, vocabulary 151,936
+
+
+
+def test_the_whole_logits_cost_12_bytes_each_and_chunks_their_chunk_plus_the_head_gradient():
+    whole = gpt(QWEN_PARAMS, 28, 1536, vocab=151_936, n_head=12, seq_len=1024, micro_batch=4)
+    chunked = gpt(QWEN_PARAMS, 28, 1536, vocab=151_936, n_head=12, seq_len=1024, micro_batch=4,
+                  loss_chunk_tokens=1024)
+    one = node(gpus=1)
+    tokens, vocab, width = 4 * 1024, 151_936, 1536
+    assert estimate_one("x", placement_from_ds_config(PRESETS["stage1"]), whole, one).gpu_breakdown[
+        "activations"]["logits"] == 12 * tokens * vocab
+    est = estimate_one("x", placement_from_ds_config(PRESETS["stage1"]), chunked, one)
+    assert est.gpu_breakdown["activations"]["logits"] == 1024 * vocab * 8 + vocab * width * 6 + tokens * width * 2
+    # about 7.0 GiB whole against 2.5 GiB in chunks of 1,024 tokens
+    saved = estimate_one("x", placement_from_ds_config(PRESETS["stage1"]), whole, one).gpu_bytes_per_gpu \
+        - est.gpu_bytes_per_gpu
+    assert 4 * GiB < saved < 5 * GiB
+    # a chunk larger than the micro batch's tokens holds only those tokens
+    small = gpt(10_000_000, 2, 128, vocab=50_000, seq_len=64, micro_batch=2, loss_chunk_tokens=4096)
+    assert estimate_one("x", placement_from_ds_config(PRESETS["stage1"]), small, one).gpu_breakdown[
+        "activations"]["logits"] == 128 * 50_000 * 8 + 50_000 * 128 * 6 + 128 * 128 * 2
+
+
+def test_chunking_lets_a_larger_micro_batch_fit():
+    """Where the whole logits of a micro batch do not fit a GPU, the chunked loss may: the saving grows
+    with the micro batch, the chunk's share does not."""
+    def gib_needed(micro, chunk):
+        work = gpt(QWEN_PARAMS, 28, 1536, vocab=151_936, n_head=12, seq_len=1024, micro_batch=micro,
+                   loss_chunk_tokens=chunk)
+        return estimate_one("x", placement_from_ds_config(PRESETS["stage2"]), work, node(gpus=8)).gpu_bytes_per_gpu
+    assert gib_needed(16, 1024) < gib_needed(8, None)  # twice the micro batch, chunked, below the whole logits'
+    assert gib_needed(8, None) - gib_needed(8, 1024) > 2 * (gib_needed(4, None) - gib_needed(4, 1024)) * 0.9
+
+
+def test_a_chunk_size_that_is_not_positive_is_refused():
+    with pytest.raises(UserError, match="loss_chunk_tokens"):
+        estimate_one("x", placement_from_ds_config(PRESETS["stage1"]), gpt(1_000_000, 2, 128, loss_chunk_tokens=0),
+                     node())
+
+
+def test_the_plan_of_an_hf_model_takes_its_shape_and_its_loss_chunking(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_models import save_tiny_llama
+
+    from dstrain.tools.estimate.planner import make_plan
+    model = save_tiny_llama(tmp_path / "llama", vocab_size=40_000)
+    sets = [f"model.name=hf:{model}", "data.source=synthetic", "data.seq_len=32"]
+    plan = make_plan(None, sets, None, 1, 1, 80, 64, "cuda")
+    assert (plan.workload.vocab_size, plan.workload.d_model, plan.workload.n_layer) == (40_000, 32, 2)
+    assert plan.workload.loss_chunk_tokens == 1024 and any("chunks of 1,024 tokens" in n for n in plan.notes)
+    off = make_plan(None, sets + ["train.loss_chunking=false"], None, 1, 1, 80, 64, "cuda")
+    assert off.workload.loss_chunk_tokens is None
+    assert off.estimates[0].gpu_bytes_per_gpu > plan.estimates[0].gpu_bytes_per_gpu
+
+
+def test_largest_micro_batch_is_the_last_that_fits_and_grows_with_chunking():
+    from dataclasses import replace
+
+    from dstrain.tools.estimate.memory import largest_micro_batch
+    placement = placement_from_ds_config(PRESETS["stage2"])
+    hw = node(gpus=8, gpu_gib=80)
+    whole = gpt(QWEN_PARAMS, 28, 1536, vocab=151_936, n_head=12, seq_len=1024, micro_batch=4)
+    chunked = gpt(QWEN_PARAMS, 28, 1536, vocab=151_936, n_head=12, seq_len=1024, micro_batch=4, loss_chunk_tokens=1024)
+    for work in (whole, chunked):
+        best = largest_micro_batch(placement, work, hw)
+        assert estimate_one("x", placement, replace(work, micro_batch=best), hw).fits
+        assert not estimate_one("x", placement, replace(work, micro_batch=best + 1), hw).fits
+    assert largest_micro_batch(placement, chunked, hw) > 1.3 * largest_micro_batch(placement, whole, hw)
+    assert largest_micro_batch(placement, whole, node(gpus=1, gpu_gib=1)) == 0
+
+
+def test_the_plan_says_how_large_a_micro_batch_chunking_lets_fit():
+    from dstrain.tools.estimate.planner import make_plan
+    sets = ["model.vocab_size=151936", "data.seq_len=1024", "train.micro_batch_size=4"]
+    plan = make_plan(None, sets, 1.5e9, 1, 1, 80, 512, "cuda")
+    [note] = [n for n in plan.notes if "micro batch up to" in n]
+    assert note.startswith(f"{plan.recommended}: micro batch up to ") and "with the whole logits" in note
+    off = make_plan(None, sets + ["train.loss_chunking=false"], 1.5e9, 1, 1, 80, 512, "cuda")
+    assert not [n for n in off.notes if "micro batch up to" in n]

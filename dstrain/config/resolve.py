@@ -28,7 +28,8 @@ from dstrain.config.deepspeed_keys import AUTO
 from dstrain.config.layers import (DEFAULT, PRESET_RANK, Merged, Source, collect_layers, flatten, get_path, merge,
                                    set_path)
 from dstrain.config.schema import RunConfig
-from dstrain.config.speed_defaults import check_deepcompile, compile_warnings, render_speed_defaults, resolve_compile
+from dstrain.config.speed_defaults import (check_deepcompile, compile_warnings, render_speed_defaults, resolve_compile,
+                                           resolve_loss_chunking)
 from dstrain.errors import Problem, UserError
 
 ENV_STRICT = "DSTRAIN_STRICT"
@@ -118,6 +119,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     _cross_field_checks(rendered, merged, problems, warnings)
     _check_with_deepspeeds_models(rendered, merged, problems)
     resolve_compile(config, rendered, accelerator, notes)
+    resolve_loss_chunking(config, merged, notes, problems)
     if config.train.activation_checkpointing == "auto":
         notes["train.activation_checkpointing"] = (
             "auto: each rank decides from its GPU's memory: off where dstrain's estimate of the run without it "

@@ -14,7 +14,8 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFl
                       model_validator)
 
 
-BUILTIN_TRACKERS = ("tensorboard", "wandb", "csv")  # train.log_to names besides a user's "module:Class"
+BUILTIN_TRACKERS = ("tensorboard", "wandb", "csv")
+LOSS_CHUNKING_MIN_VOCAB = 32_768  # train.loss_chunking "auto" is on from this vocabulary size  # train.log_to names besides a user's "module:Class"
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # torch's Adam rejects betas outside [0, 1)
 
 
@@ -229,6 +230,20 @@ class TrainConfig(Section):
     set true to compile your own model). An "hf:" model is compiled region by region, each decoder layer
     on its own (the rest eager), at every ZeRO stage; "auto" turns that on in bf16 on CUDA without offload
     or activation checkpointing, except LoRA at ZeRO-3 (docs/performance.md)."""
+    loss_chunking: bool | Literal["auto"] = "auto"
+    """The LM head and its cross-entropy computed train.loss_chunk_tokens tokens at a time
+    (dstrain/models/chunked_loss.py), never holding the whole [tokens x vocabulary] logits in fp32: less GPU
+    memory for large vocabularies, the same loss and gradients as torch's lm_head + cross_entropy up to
+    rounding. For the built-in GPT and "hf:" models whose forward dstrain can split into the decoder body and
+    the head (Llama, Qwen2, Mistral, GPT-2, ...; others keep their own loss, with a note); your own model
+    computes its loss itself. "auto": on where the vocabulary has at least 32,768 tokens
+    (LOSS_CHUNKING_MIN_VOCAB: smaller logits cost little), decided when the model is known, and never in
+    fp16 (the gradients are formed before the loss scale applies; true there is an error); false: the
+    whole logits, as before."""
+    loss_chunk_tokens: PositiveInt = 1024
+    """Tokens per chunk of train.loss_chunking: one chunk's logits (compute dtype, fp32 and the gradient:
+    about 8-12 bytes x chunk x vocabulary, 1.9 GB at 1,024 x 151,936) exist at a time. Smaller saves
+    memory, larger makes fewer, bigger matrix products."""
     seed: int = 1234
     """Seed for model init, data order and dropout; the same seed gives the same run."""
     log_every: PositiveInt = 10

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dstrain.config.layers import PRESET_RANK, Merged
-from dstrain.config.schema import RunConfig
+from dstrain.config.schema import LOSS_CHUNKING_MIN_VOCAB, RunConfig
 from dstrain.errors import Problem
 
 # The built-in GPT's transformer block (dstrain.models.gpt.Block), named here without importing torch.
@@ -206,3 +206,44 @@ def compile_warnings(config: RunConfig, ds: dict[str, Any], merged: Merged, warn
                         "leaf modules, DeepSpeed's hooks outside the graph) 0.91-0.94x on a 406M GPT and 1.00x "
                         "on a 1.3B, a whole model with the gather hooks inside its graph 0.52x; consider "
                         "train.compile=false, or deepspeed.compile.deepcompile=true")
+
+
+def resolve_loss_chunking(config: RunConfig, merged: Merged, notes: dict[str, str], problems: list[Problem]) -> None:
+    """train.loss_chunking: "auto" decided here for the built-in GPT (its vocabulary is in the config) and
+    for a model entry point (off: its forward computes its own loss); an "hf:" model's vocabulary and
+    forward are known once the model is checked (dstrain.models.hf.loss_chunking, before any rank
+    starts), so "auto" stays until then. true on an entry point is an error."""
+    name, chosen = config.model.name, config.train.loss_chunking
+    builtin_or_hf = name == "gpt" or name.startswith("hf:")
+    if chosen is True and not builtin_or_hf:
+        problems.append(Problem(f"model {name!r} is your own model, whose forward computes its loss: dstrain "
+                                "cannot chunk it", merged.where("train.loss_chunking"),
+                                "set train.loss_chunking=auto (or false), or call dstrain.models.chunked_loss."
+                                "chunked_cross_entropy(hidden, head.weight, labels) in your model's forward"))
+        return
+    if config.train.precision == "fp16" and chosen is not False:
+        # The chunked loss forms its gradients in the forward, before backward multiplies them by fp16's
+        # loss scale: in fp16 the small ones would flush to zero where the reference keeps them.
+        if chosen is True:
+            problems.append(Problem("the chunked loss forms its gradients before fp16's loss scale applies, so small "
+                                    "ones would underflow", merged.where("train.loss_chunking"),
+                                    "train in bf16 (train.precision=bf16), or set train.loss_chunking=false"))
+            return
+        config.train.loss_chunking = False
+        notes["train.loss_chunking"] = "auto: off (fp16: the chunked gradients would underflow before the loss scale)"
+        return
+    if chosen != "auto":
+        return
+    if not builtin_or_hf:
+        config.train.loss_chunking = False
+        notes["train.loss_chunking"] = "auto: off (your own model computes its own loss)"
+    elif name == "gpt":
+        vocab = config.model.vocab_size
+        config.train.loss_chunking = vocab >= LOSS_CHUNKING_MIN_VOCAB
+        notes["train.loss_chunking"] = (f"auto: on (vocabulary {vocab:,} >= {LOSS_CHUNKING_MIN_VOCAB:,})" if
+                                        config.train.loss_chunking else
+                                        f"auto: off (vocabulary {vocab:,} < {LOSS_CHUNKING_MIN_VOCAB:,}: small logits)")
+    else:
+        notes["train.loss_chunking"] = (f"auto: decided when the model is checked (dstrain run, --dry-run): on where "
+                                        f"its vocabulary has >= {LOSS_CHUNKING_MIN_VOCAB:,} tokens and dstrain can "
+                                        "split its forward")

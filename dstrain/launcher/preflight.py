@@ -101,11 +101,25 @@ def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
     except Exception as err:  # noqa: BLE001 - a user model that cannot be built is bad input
         raise UserError.single(f"building the model failed: {type(err).__name__}: {err}", "model",
                                "check model.name and model.kwargs")
+    _decide_loss_chunking(resolved, facts.loss_chunking, facts.loss_note, facts.loss_why)
     _check_data(resolved)
     check_trackers(resolved)
     _fit_nvme_swap_buffer(resolved, facts.largest)
     _fetch_blocks_whole(resolved, facts.block_class, frozen=facts.trainable < facts.params)
     return facts.params, facts.trainable
+
+
+def _decide_loss_chunking(resolved: ResolvedConfig, chunked: bool, note: str | None, why: str | None) -> None:
+    """train.loss_chunking as the model built on the meta device took it ("auto" on an hf: model becomes
+    true or false in the config the ranks get; an architecture whose forward dstrain cannot split keeps
+    its own loss, with a note)."""
+    if note:
+        resolved.warnings.append(note)
+    train = resolved.config.train
+    if train.loss_chunking != chunked:
+        was = train.loss_chunking
+        resolved.config = resolved.config.model_copy(update={"train": train.model_copy(update={"loss_chunking": chunked})})
+        resolved.sources["train.loss_chunking"] = f"{was}: {'on' if chunked else 'off'} for this model ({why})"
 
 
 def _fetch_blocks_whole(resolved: ResolvedConfig, block_class: str | None, frozen: bool) -> None:

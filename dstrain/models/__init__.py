@@ -25,7 +25,8 @@ def model_builder(config: RunConfig) -> Callable[[], nn.Module]:
     m = config.model
     if m.name == "gpt":
         from dstrain.models.gpt import GPT
-        return lambda: GPT(m.vocab_size, config.data.seq_len, m.d_model, m.n_layer, m.n_head, m.dropout)
+        chunk = config.train.loss_chunk_tokens if config.train.loss_chunking is True else None
+        return lambda: GPT(m.vocab_size, config.data.seq_len, m.d_model, m.n_layer, m.n_head, m.dropout, chunk)
     from dstrain.models import hf
     if hf.is_hf(m.name):
         return hf.skeleton_builder(config)  # random weights: counting, estimates; build_model loads them
@@ -89,6 +90,9 @@ class ModelFacts(NamedTuple):
     trainable: int      # of which reach the optimizer (LoRA adapters, train.trainable / train.frozen)
     largest: int        # the largest single module's direct parameters
     block_class: str | None  # qualified class of an hf: model's repeated block (its transformer layer)
+    loss_chunking: bool = False  # the LM loss runs through the chunked head (train.loss_chunking decided)
+    loss_note: str | None = None  # why an hf: model keeps its own loss although chunking was asked
+    loss_why: str | None = None  # why an hf: model's loss is chunked or not (train.loss_chunking decided)
 
 
 def check_model(config: RunConfig) -> ModelFacts:
@@ -110,7 +114,28 @@ def check_model(config: RunConfig) -> ModelFacts:
         if Path(hf.source_of(config)).is_dir():  # a hub id is downloaded by the ranks, not here
             hf.weight_files(config)
         block = hf.block_class(model)
-    return ModelFacts(params, trainable_parameters(model), largest, block)
+    chunked = getattr(model, "lm_loss", None) is not None
+    return ModelFacts(params, trainable_parameters(model), largest, block, chunked, getattr(model, "loss_note", None),
+                      getattr(model, "loss_why", None))
+
+
+def model_shape(model, config: RunConfig) -> dict[str, Any]:
+    """What the memory estimate needs of a built model (Workload fields): layers, width, heads and
+    vocabulary (an hf: model's from its config, the built-in GPT's and an entry point's from model.*),
+    and the LM loss's tokens per chunk (None: the whole logits)."""
+    lm_loss = getattr(model, "lm_loss", None)
+    m = config.model
+    shape = {"n_layer": m.n_layer, "d_model": m.d_model, "n_head": m.n_head, "vocab_size": m.vocab_size,
+             "loss_chunk_tokens": lm_loss.chunk if lm_loss is not None else None}
+    from dstrain.models.hf import CausalLM
+    if isinstance(model, CausalLM):
+        hf_config = model.model.config
+        for key, names in (("n_layer", ("num_hidden_layers", "n_layer")), ("d_model", ("hidden_size", "n_embd")),
+                           ("n_head", ("num_attention_heads", "n_head")), ("vocab_size", ("vocab_size",))):
+            value = next((getattr(hf_config, n) for n in names if isinstance(getattr(hf_config, n, None), int)), None)
+            if value:
+                shape[key] = value
+    return shape
 
 
 def flops_per_token(model, config: RunConfig, n_params: int) -> float:

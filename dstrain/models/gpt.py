@@ -7,6 +7,8 @@ holds packed examples: positions restart at 0 where an example starts, and atten
 causal within each example only (SDPA with a block-diagonal mask; without position_ids the causal
 kernel runs as before). Blocks can be recomputed in backward
 through DeepSpeed's activation checkpointing (set by the train loop, see `enable_checkpointing`).
+With `loss_chunk` (train.loss_chunking) the head and its cross-entropy run that many tokens at a time
+(dstrain.models.chunked_loss), never holding the whole fp32 logits.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dstrain.models.chunked_loss import LMHeadLoss
 
 
 class CausalSelfAttention(nn.Module):
@@ -53,7 +57,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layer: int, n_head: int, dropout: float = 0.0):
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layer: int, n_head: int, dropout: float = 0.0,
+                 loss_chunk: int | None = None):
         super().__init__()
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -63,6 +68,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied input/output embeddings, as in GPT-2
+        self.lm_loss = LMHeadLoss(self.head, loss_chunk) if loss_chunk else None
         self.checkpoint_fn: Callable | None = None
         self.apply(self._init_weights)
         for name, param in self.named_parameters():  # scaled init of residual projections (GPT-2)
@@ -92,7 +98,10 @@ class GPT(nn.Module):
         args = (document_mask(positions),) if packed else ()
         for block in self.blocks:
             x = self.checkpoint_fn(block, x, *args) if self.checkpoint_fn and self.training else block(x, *args)
-        logits = self.head(self.ln_f(x))
+        x = self.ln_f(x)
+        if self.lm_loss is not None:
+            return self.lm_loss(x, targets)
+        logits = self.head(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 
 

@@ -66,11 +66,40 @@ class CausalLM(nn.Module):
     where no loss is taken, or a dict of the model's own keyword arguments (input_ids, attention_mask,
     labels in Hugging Face's unshifted convention; position_ids for packed examples, see
     dstrain.models.packing), whose `loss` is returned.
+
+    With train.loss_chunking (`chunking` True, or "auto" with a vocabulary of at least
+    LOSS_CHUNKING_MIN_VOCAB) and a forward dstrain can split (`split_problem`), the decoder body runs
+    alone and its last hidden states go through `lm_loss` (dstrain.models.chunked_loss.LMHeadLoss):
+    the same loss as transformers' (mean over the shifted labels that are not -100), never the whole
+    logits. Otherwise the model's own forward runs, and `loss_note` says why where chunking was asked.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, chunking: bool | str = False, chunk_tokens: int = 1024):
         super().__init__()
         self.model = model
+        self.lm_loss: nn.Module | None = None
+        self.loss_note: str | None = None
+        self.loss_why = "train.loss_chunking=false"  # why the loss is chunked or not, for the plan's sources
+        self._body: tuple[nn.Module, ...] = ()  # the decoder body, held outside the module tree
+        if chunking is False:
+            return
+        from dstrain.config.schema import LOSS_CHUNKING_MIN_VOCAB
+        from dstrain.models.chunked_loss import LMHeadLoss
+        problem = split_problem(model)
+        if problem is not None:
+            self.loss_why = f"{_architecture(model)}: {problem}"
+            self.loss_note = f"train.loss_chunking: {self.loss_why}; its own loss runs (whole logits)"
+            return
+        inner = _unwrapped(model)
+        head = inner.get_output_embeddings()
+        vocab = head.out_features
+        if chunking == "auto" and vocab < LOSS_CHUNKING_MIN_VOCAB:
+            self.loss_why = f"vocabulary {vocab:,} < {LOSS_CHUNKING_MIN_VOCAB:,}: small logits"
+            return
+        self.loss_why = (f"vocabulary {vocab:,} >= {LOSS_CHUNKING_MIN_VOCAB:,}" if chunking == "auto" else
+                         "train.loss_chunking=true") + f", {_architecture(model)} splits into body and head"
+        self._body = (getattr(inner, inner.base_model_prefix),)
+        self.lm_loss = LMHeadLoss(head, chunk_tokens)
 
     def forward(self, batch) -> torch.Tensor:
         if isinstance(batch, dict):
@@ -79,15 +108,79 @@ class CausalLM(nn.Module):
                 # transformers' flash path finds packed examples in the position ids only for a
                 # batch of one row; every row starts an example (label -100), so rows join end to end.
                 batch = {key: value.reshape(1, -1) for key, value in batch.items()}
+            if self.lm_loss is not None:
+                inputs = {key: value for key, value in batch.items() if key != "labels"}
+                # transformers' shift: position t predicts label t + 1, the last position nothing
+                return self._chunked_loss(inputs, F.pad(batch["labels"][:, 1:], (0, 1), value=-100))
             # No cache: transformers looks for packed examples in the position ids only without one.
             return self.model(**batch, use_cache=False).loss
         inputs, targets = batch
+        if self.lm_loss is not None:
+            return self._chunked_loss({"input_ids": inputs}, targets)
         logits = self.model(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def _chunked_loss(self, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self._body[0](**inputs, use_cache=False)[0]  # the last hidden state, after the final norm
+        return self.lm_loss(hidden, targets)
 
     def enable_checkpointing(self, _checkpoint_fn: Callable) -> None:
         """Activation checkpointing through transformers' own per-layer mechanism."""
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model inside peft's wrapper (its LoRA layers in place), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _architecture(model: nn.Module) -> str:
+    return type(_unwrapped(model)).__name__
+
+
+def _code(fn) -> str:
+    """A function's source without comments and whitespace, for matching its statements."""
+    import inspect
+    import re
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+    return re.sub(r"\s+", "", re.sub(r"#[^\n]*", "", source))
+
+
+def split_problem(model: nn.Module) -> str | None:
+    """Why dstrain cannot compute this model's loss as its decoder body + chunked head, or None.
+
+    The model's forward must be transformers' plain causal-LM form, read from its code: the body
+    (`self.<base_model_prefix>(...)`), its last hidden state, `logits = self.lm_head(hidden_states)`,
+    then at once `self.loss_function(...)` (the standard ForCausalLMLoss) and return: no logit soft-capping
+    or scaling (Gemma 2, Cohere, Granite), no auxiliary loss (mixture-of-experts models), a head that is
+    a plain nn.Linear (not a LoRA layer or peft's modules_to_save copy)."""
+    import re
+    inner = _unwrapped(model)
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head = get_head() if get_head else None
+    if type(head) is not nn.Linear:
+        return (f"its output layer is {type(head).__name__ if head is not None else 'not known'}, not a plain "
+                "Linear (a LoRA target or modules_to_save?)")
+    prefix = getattr(inner, "base_model_prefix", "")
+    body = getattr(inner, prefix, None) if prefix else None
+    if not isinstance(body, nn.Module) or body is inner:
+        return "it has no decoder body to call alone (base_model_prefix)"
+    code = _code(type(inner).forward)
+    head_name = next((name for name, module in inner.named_children() if module is head), None)
+    call = rf"(\w+)(?::\w+)?=self\.{re.escape(prefix)}\("
+    plain = (rf"hidden_states=(\w+)(?:\.last_hidden_state|\[0\])(?:hidden_states=slice_logits_to_keep\([^)]*\))?"
+             rf"logits=self\.{re.escape(head_name or '-')}\(hidden_states\)"
+             r"loss=NoneiflabelsisnotNone:loss=self\.loss_function\((?:[^()]|\([^()]*\))*\)return")
+    found_call, found_plain = re.search(call, code), re.search(plain, code)
+    if not found_call or not found_plain or found_call.group(1) != found_plain.group(1):
+        return "its forward does more than body -> head -> transformers' loss (logit scaling or an extra loss?)"
+    loss_name = getattr(getattr(inner, "loss_function", None), "__name__", "")
+    if loss_name != "ForCausalLMLoss":
+        return f"its loss function is {loss_name or 'unknown'}, not transformers' ForCausalLMLoss"
+    return None
 
 
 def flops_per_token(model: CausalLM, n_params: int, seq_len: int) -> float:
@@ -201,7 +294,8 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 def skeleton_builder(config: RunConfig) -> Callable[[], nn.Module]:
     """Builds the model with random weights (and its adapters): for counting on the meta device."""
     hf_config = load_config(config)
-    return lambda: CausalLM(apply_lora(_from_config(config, hf_config), config.model.lora))
+    return lambda: CausalLM(apply_lora(_from_config(config, hf_config), config.model.lora),
+                            config.train.loss_chunking, config.train.loss_chunk_tokens)
 
 
 def build_pretrained(config: RunConfig, ds_config: dict, device: torch.device) -> CausalLM:
@@ -231,7 +325,7 @@ def build_pretrained(config: RunConfig, ds_config: dict, device: torch.device) -
             # peft's preparation for a quantized base: every base weight frozen, norms and other small
             # float weights in fp32; activation checkpointing stays dstrain's choice (train.activation_checkpointing).
             model = require("peft", "model.lora").prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    return CausalLM(apply_lora(model, config.model.lora))
+    return CausalLM(apply_lora(model, config.model.lora), config.train.loss_chunking, config.train.loss_chunk_tokens)
 
 
 def _bnb_config(transformers):

@@ -127,7 +127,7 @@ def checkpointing_wanted(config, ds_config: dict, model, device) -> tuple[bool, 
         return bool(config.train.activation_checkpointing), None
     from dataclasses import replace
 
-    from dstrain.models import parameter_counts
+    from dstrain.models import model_shape, parameter_counts
     from dstrain.tools.estimate.memory import detect_hardware
     from dstrain.tools.estimate.planner import checkpointing_decision
 
@@ -137,7 +137,7 @@ def checkpointing_wanted(config, ds_config: dict, model, device) -> tuple[bool, 
         hw = replace(hw, gpu_mem_bytes=hw.cpu_mem_bytes, accelerator="cpu")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     hw = replace(hw, gpus_per_node=per_node, nodes=max(1, int(os.environ.get("WORLD_SIZE", "1")) // per_node))
-    return checkpointing_decision(config, ds_config, total, largest, hw)
+    return checkpointing_decision(config, ds_config, total, largest, hw, model_shape(model, config))
 
 
 def enable_activation_checkpointing(model, ds_config: dict, rank: int) -> None:

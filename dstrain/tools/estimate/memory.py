@@ -84,7 +84,14 @@ eq. 1, no tensor/sequence parallelism): s*b*h*(34 + 5*a*s/h) bytes per layer in 
 - fp32 doubles it.
 - Activation checkpointing keeps only each block's input (2*s*b*h per layer, moved to host with
   cpu_checkpointing) plus one block's full activations while it is recomputed.
-- The logits: b*s*vocab*4 bytes (the fp32 logits the loss keeps for backward).
+- The logits, whole (train.loss_chunking off): 12*b*s*vocab bytes. The loss keeps the fp32
+  log-probabilities (4 bytes a logit) for backward, and at the backward's start, with every activation
+  still held, the fp32 gradients w.r.t. them and w.r.t. the logits (4 + 4) exist beside them; the
+  compute-dtype logits and their fp32 copy (w + 4) come and go in the forward, below that peak.
+- The logits in chunks of c tokens (dstrain/models/chunked_loss.py, c' = min(c, b*s)): one chunk's
+  logits, fp32 probabilities and gradient, c'*vocab*(4 + 2w), plus the head's weight gradient, summed
+  in fp32 over the chunks and kept in its dtype for backward, vocab*d*(4 + w), plus the hidden
+  states' gradient, b*s*d*w.
 
 Fits: GPU bytes <= 90% of GPU memory (GPU_HEADROOM, for fragmentation and the transient peaks
 not modelled), host bytes <= host RAM, NVMe bytes <= `Hardware.nvme_free_bytes` when known.
@@ -168,6 +175,8 @@ class Workload:
     """"bf16", "fp16" or "fp32"; a DeepSpeed config's own bf16/fp16 section takes precedence."""
     vocab_size: int = 50257
     """For the logits term; GPT-2's vocabulary by default."""
+    loss_chunk_tokens: int | None = None
+    """train.loss_chunking's tokens per chunk where the LM loss runs in chunks; None: the whole logits."""
     flash_attention: bool = True
     """Attention via SDPA/flash: the s^2 score matrix is not stored."""
     zero_init: bool = True
@@ -338,6 +347,8 @@ def _check_inputs(placement: Placement, work: Workload, hw: Hardware) -> None:
     for name in ("params", "n_layer", "d_model", "n_head", "seq_len", "micro_batch", "vocab_size"):
         if getattr(work, name) <= 0:
             problems.append(Problem(f"must be positive, got {getattr(work, name)}", f"workload.{name}"))
+    if work.loss_chunk_tokens is not None and work.loss_chunk_tokens <= 0:
+        problems.append(Problem(f"must be positive or None, got {work.loss_chunk_tokens}", "workload.loss_chunk_tokens"))
     if not 0 <= work.largest_layer_params <= work.params:
         problems.append(Problem(f"must be between 0 and params ({work.params}), got {work.largest_layer_params}",
                                 "workload.largest_layer_params"))
@@ -365,7 +376,7 @@ def _activations(work: Workload, low_bytes: int) -> tuple[dict[str, int], dict[s
     if not work.flash_attention:
         per_layer += 5 * a * s * s * b
     per_layer = int(per_layer * scale)
-    logits = b * s * work.vocab_size * 4
+    logits = _logits_bytes(work, low_bytes)
     gpu: dict[str, int] = {}
     host: dict[str, int] = {}
     if work.activation_checkpointing:
@@ -376,6 +387,15 @@ def _activations(work: Workload, low_bytes: int) -> tuple[dict[str, int], dict[s
         gpu["all_blocks"] = per_layer * work.n_layer
     gpu["logits"] = logits
     return gpu, host
+
+
+def _logits_bytes(work: Workload, low_bytes: int) -> int:
+    """The LM loss's own memory at its peak, whole or in chunks (see the module docstring)."""
+    tokens, vocab = work.micro_batch * work.seq_len, work.vocab_size
+    if work.loss_chunk_tokens is None:
+        return 12 * tokens * vocab
+    chunk = min(work.loss_chunk_tokens, tokens)
+    return chunk * vocab * (4 + 2 * low_bytes) + vocab * work.d_model * (4 + low_bytes) + tokens * work.d_model * low_bytes
 
 
 def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) -> PresetEstimate:
@@ -423,6 +443,23 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
         nvme_breakdown=nvme_breakdown,
         notes=notes,
     )
+
+
+def largest_micro_batch(placement: Placement, work: Workload, hw: Hardware, limit: int = 4096) -> int:
+    """The largest micro batch (at most `limit`) whose estimate fits, all else as in `work`; 0 where
+    not even one sequence does. Memory grows with the micro batch, so a bisection finds it."""
+    def fits(micro: int) -> bool:
+        return estimate_one("largest", placement, replace(work, micro_batch=micro), hw).fits
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:  # fits(low), not fits(high) (or past the limit)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 # train.activation_checkpointing "auto" turns checkpointing off only where the run without it is estimated

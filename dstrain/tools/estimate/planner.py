@@ -74,33 +74,58 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         largest = max(base.model.vocab_size * base.model.d_model, 4 * base.model.d_model ** 2)
         notes.append(f"--params {params:.3g}: a GPT of {base.model.n_layer} layers x width {base.model.d_model}, "
                      f"micro batch {base.train.micro_batch_size} x seq_len {base.data.seq_len}")
+        shape = None
     else:
-        from dstrain.models import count_model, model_builder
-        total, largest = count_model(model_builder(base))
+        from dstrain.models import count_model, model_builder, model_shape
+        built: list = []
+        build = model_builder(base)
+        total, largest = count_model(lambda: built.append(build()) or built[0])
+        shape = model_shape(built[0], base)
+    if (shape or {}).get("loss_chunk_tokens") or (shape is None and base.train.loss_chunking is True):
+        notes.append(f"the LM loss runs in chunks of {base.train.loss_chunk_tokens:,} tokens (train.loss_chunking): "
+                     "the logits are estimated per chunk")
     estimates, work = [], None
     for name, r in resolved.items():  # each preset may switch activation checkpointing on or off
-        checkpointing, why = checkpointing_decision(r.config, r.ds_config, total, largest, hw)
+        checkpointing, why = checkpointing_decision(r.config, r.ds_config, total, largest, hw, shape)
         if why:
             notes.append(f"{name}: activation checkpointing {why} (train.activation_checkpointing=auto)")
-        work = workload(r.config, r.ds_config, total, largest, checkpointing)
+        work = workload(r.config, r.ds_config, total, largest, checkpointing, shape)
         estimates.append(E.estimate_one(name, E.placement_from_ds_config(r.ds_config), work, hw))
     recommended, reason = E.recommend(estimates)
+    if recommended is not None and work is not None and work.loss_chunk_tokens is not None:
+        notes.append(micro_batch_note(recommended, resolved[recommended].ds_config, estimates, work, hw))
     return Plan(estimates, recommended, reason, hw, work, notes)
 
 
-def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpointing: bool):
-    """The estimate's Workload for a resolved run config whose model has `total` parameters."""
+def micro_batch_note(name: str, ds_config: dict, estimates: list, work, hw) -> str:
+    """How large a micro batch the chunked LM loss lets the preset fit, against the whole logits."""
+    from dstrain.tools.estimate import memory as E
+
+    placement = next(e.placement for e in estimates if e.name == name)
+    chunked = E.largest_micro_batch(placement, work, hw)
+    whole = E.largest_micro_batch(placement, replace(work, loss_chunk_tokens=None), hw)
+    return (f"{name}: micro batch up to {chunked} fits with the LM loss in chunks, {whole} with the whole logits "
+            f"(train.loss_chunking; this run: {work.micro_batch})")
+
+
+def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpointing: bool, shape: dict | None = None):
+    """The estimate's Workload for a resolved run config whose model has `total` parameters. `shape`
+    (dstrain.models.model_shape of the built model: layers, width, heads, vocabulary, loss chunk) replaces
+    the built-in GPT's model.* fields, which an hf: model does not read."""
     from dstrain.tools.estimate import memory as E
 
     ac = ds_config.get("activation_checkpointing") or {}
-    return E.Workload(params=total, largest_layer_params=largest, n_layer=cfg.model.n_layer,
-                      d_model=cfg.model.d_model, n_head=cfg.model.n_head, seq_len=cfg.data.seq_len,
+    chunk = cfg.train.loss_chunk_tokens if cfg.train.loss_chunking is True else None
+    m = cfg.model
+    fields = dict(n_layer=m.n_layer, d_model=m.d_model, n_head=m.n_head, vocab_size=m.vocab_size, loss_chunk_tokens=chunk)
+    fields.update(shape or {})
+    return E.Workload(params=total, largest_layer_params=largest, seq_len=cfg.data.seq_len,
                       micro_batch=cfg.train.micro_batch_size, activation_checkpointing=activation_checkpointing,
-                      cpu_checkpointing=bool(ac.get("cpu_checkpointing")), precision=cfg.train.precision,
-                      vocab_size=cfg.model.vocab_size)
+                      cpu_checkpointing=bool(ac.get("cpu_checkpointing")), precision=cfg.train.precision, **fields)
 
 
-def checkpointing_decision(cfg, ds_config: dict, total: int, largest: int, hw) -> tuple[bool, str | None]:
+def checkpointing_decision(cfg, ds_config: dict, total: int, largest: int, hw,
+                           shape: dict | None = None) -> tuple[bool, str | None]:
     """Whether the run checkpoints activations: train.activation_checkpointing, or for "auto" the
     estimate's answer on `hw` (memory.auto_checkpointing), with why (None where the user chose)."""
     from dstrain.tools.estimate import memory as E
@@ -110,7 +135,7 @@ def checkpointing_decision(cfg, ds_config: dict, total: int, largest: int, hw) -
         return bool(chosen), None
     if cfg.model.name != "gpt":  # the activation formulas are the built-in GPT's
         return True, "on: dstrain estimates the activations of its built-in GPT only"
-    work = workload(cfg, ds_config, total, largest, True)
+    work = workload(cfg, ds_config, total, largest, True, shape)
     return E.auto_checkpointing(E.placement_from_ds_config(ds_config), work, hw)
 
 
@@ -119,4 +144,5 @@ def choose_preset(config_file: Path | None, sets: list[str], ranks: int, nodes: 
     plan = make_plan(config_file, sets, None, ranks, nodes, None, None, accelerator)
     if plan.recommended is None:
         raise UserError.single(plan.reason, "--preset auto", "see `dstrain estimate` for the figures")
-    return plan.recommended, plan.reason
+    micro = [n for n in plan.notes if n.startswith(f"{plan.recommended}: micro batch up to")]
+    return plan.recommended, plan.reason + "".join(f"; {n.split(': ', 1)[1]}" for n in micro)

@@ -1,0 +1,207 @@
+"""train.loss_chunking through dstrain's models: the built-in GPT and `hf:` models (tiny Qwen2 with tied and
+untied embeddings, Llama, GPT-2, with LoRA) give the same loss and gradients with chunking on and off, for
+window batches, dict batches with labels and packed rows; architectures whose forward cannot be split
+keep their own loss with a note; the config switch and its checks. fp32, tolerance 1e-5 relative."""
+
+import pytest
+import torch
+
+from dstrain.config.resolve import resolve
+from dstrain.models.gpt import GPT
+from dstrain.models.hf import CausalLM, split_problem
+
+pytest.importorskip("transformers")
+
+VOCAB = 300  # not a multiple of the chunk
+
+
+def _qwen2(tied: bool, vocab: int = VOCAB):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=tied, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _llama():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _gpt2():
+    from transformers import AutoModelForCausalLM, GPT2Config
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt
+    labels[1, 20:] = -100  # padding
+    packed_positions = torch.cat([torch.arange(10), torch.arange(14)]).repeat(2, 1)
+    packed_labels = labels.clone()
+    packed_labels[:, 10] = -100  # each packed example's first label
+    return {"window": (ids[:, :-1], ids[:, 1:]), "dict": {"input_ids": ids, "labels": labels},
+            "packed": {"input_ids": ids, "labels": packed_labels, "position_ids": packed_positions}}
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _same(model_off, model_on, batch):
+    loss_off, grads_off = _loss_and_grads(model_off, batch)
+    loss_on, grads_on = _loss_and_grads(model_on, batch)
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-5, atol=0)
+    assert grads_on.keys() == grads_off.keys() and grads_on
+    for name, grad in grads_off.items():
+        scale = grad.abs().max().clamp_min(1e-12)
+        assert (grads_on[name] - grad).abs().max() <= 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("build", [lambda: _qwen2(tied=True), lambda: _qwen2(tied=False), _llama, _gpt2],
+                         ids=["qwen2-tied", "qwen2-untied", "llama", "gpt2"])
+def test_hf_models_give_the_same_loss_and_gradients_chunked(build):
+    off = CausalLM(build(), chunking=False)
+    on = CausalLM(build(), chunking=True, chunk_tokens=7)
+    assert off.lm_loss is None and on.lm_loss is not None
+    assert list(on.state_dict()) == list(off.state_dict())  # the same names: checkpoints and exports unchanged
+    for name, batch in _batches().items():
+        _same(off, on, batch)
+
+
+def test_transformers_activation_checkpointing_still_applies_to_the_body():
+    """train.activation_checkpointing on an hf: model is transformers' per-layer checkpointing: the body
+    called alone recomputes its layers as the whole model would."""
+    off = CausalLM(_qwen2(tied=True), chunking=False)
+    on = CausalLM(_qwen2(tied=True), chunking=True, chunk_tokens=7)
+    on.enable_checkpointing(None)
+    assert on.model.is_gradient_checkpointing
+    _same(off, on, _batches()["packed"])
+
+
+def test_the_chunked_loss_is_transformers_own_loss():
+    """A dict batch's loss is what the model's own forward with labels returns (ForCausalLMLoss)."""
+    model = _qwen2(tied=True)
+    batch = _batches()["dict"]
+    want = model(**batch, use_cache=False).loss
+    torch.testing.assert_close(CausalLM(model, chunking=True, chunk_tokens=5)(batch), want, rtol=1e-5, atol=0)
+
+
+def test_lora_models_give_the_same_loss_and_adapter_gradients():
+    from dstrain.config.schema import LoraConfig
+    from dstrain.models.hf import apply_lora
+    lora = LoraConfig(r=4, target_modules="all-linear")
+    off = CausalLM(apply_lora(_qwen2(tied=True), lora), chunking=False)
+    on = CausalLM(apply_lora(_qwen2(tied=True), lora), chunking=True, chunk_tokens=9)
+    assert on.lm_loss is not None and not on.lm_loss.head.weight.requires_grad  # the frozen, tied head
+    _same(off, on, _batches()["dict"])
+
+
+def test_a_lora_head_or_an_unsplittable_forward_keeps_the_models_own_loss():
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from dstrain.config.schema import LoraConfig
+    from dstrain.models.hf import apply_lora
+    lora_head = CausalLM(apply_lora(_qwen2(tied=False), LoraConfig(r=4, target_modules=["q_proj", "lm_head"])),
+                         chunking=True)
+    assert lora_head.lm_loss is None and "not a plain Linear" in lora_head.loss_note
+    gemma2 = AutoModelForCausalLM.from_config(Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16))
+    assert "does more than" in split_problem(gemma2)  # its logit soft-capping
+    model = CausalLM(gemma2, chunking=True)
+    assert model.lm_loss is None and model.loss_note.startswith("train.loss_chunking: Gemma2ForCausalLM:")
+    assert torch.isfinite(model(_batches()["dict"]))  # trains on with the whole logits
+
+
+def test_auto_chunks_large_vocabularies_only():
+    assert CausalLM(_qwen2(tied=True), chunking="auto").lm_loss is None  # 300 tokens
+    assert CausalLM(_qwen2(tied=True, vocab=40_000), chunking="auto").lm_loss is not None
+
+
+def test_the_built_in_gpt_gives_the_same_loss_and_gradients_chunked():
+    torch.manual_seed(0)
+    off = GPT(VOCAB, 24, 32, 2, 4)
+    torch.manual_seed(0)
+    on = GPT(VOCAB, 24, 32, 2, 4, loss_chunk=5)
+    assert list(on.state_dict()) == list(off.state_dict())
+    batches = _batches()
+    _same(off, on, batches["window"])
+    _same(off, on, {"input_ids": batches["dict"]["input_ids"], "labels": batches["dict"]["labels"]})
+    _same(off, on, batches["packed"])
+
+
+@pytest.mark.parametrize("sets, expected, note", [
+    (["model.vocab_size=50304"], True, "auto: on (vocabulary 50,304"),
+    ([], False, "auto: off (vocabulary 256"),
+    (["model.vocab_size=50304", "train.loss_chunking=false"], False, None),
+    (["model.name=hf:/nowhere"], "auto", "decided when the model is checked"),
+])
+def test_auto_is_decided_and_explained(sets, expected, note):
+    resolved = resolve(None, None, sets, world_size=1, accelerator="cpu")
+    assert resolved.config.train.loss_chunking == expected
+    if note:
+        assert note in resolved.sources["train.loss_chunking"]
+
+
+def test_true_on_your_own_model_is_an_error_naming_the_key():
+    from dstrain.errors import UserError
+    with pytest.raises(UserError) as err:
+        resolve(None, None, ["model.name=my_pkg.models:build", "train.loss_chunking=true"], world_size=1,
+                accelerator="cpu")
+    problem = err.value.problems[0]
+    assert "train.loss_chunking" in problem.where and "chunked_cross_entropy" in problem.fix
+
+
+def test_dstrain_run_decides_auto_for_an_hf_model_before_the_ranks_start(tmp_path):
+    """The pre-launch check builds the model on the meta device: a 40,000-token Llama chunks, and a
+    Gemma 2 (soft-capped logits) asked for chunking keeps its own loss, with one note."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from hf_models import save_tiny_llama
+    from dstrain.launcher.preflight import check_runtime
+
+    def checked(model_dir, *sets):
+        resolved = resolve(None, None, [f"model.name=hf:{model_dir}", "data.source=synthetic", "data.seq_len=32",
+                                        *sets], world_size=1, accelerator="cpu")
+        check_runtime(resolved)
+        return resolved
+
+    large = checked(save_tiny_llama(tmp_path / "llama", vocab_size=40_000))
+    assert large.config.train.loss_chunking is True
+    assert large.sources["train.loss_chunking"] == ("auto: on for this model (vocabulary 40,000 >= 32,768, "
+                                                    "LlamaForCausalLM splits into body and head)")
+    small = checked(save_tiny_llama(tmp_path / "small"))
+    assert small.config.train.loss_chunking is False and "vocabulary 256 < 32,768" in small.sources["train.loss_chunking"]
+    gemma_dir = tmp_path / "gemma2"
+    AutoModelForCausalLM.from_config(Gemma2Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16)).save_pretrained(gemma_dir)
+    gemma = checked(gemma_dir, "train.loss_chunking=true")
+    assert gemma.config.train.loss_chunking is False
+    assert [w for w in gemma.warnings if w.startswith("train.loss_chunking: Gemma2ForCausalLM:")]
+
+
+def test_fp16_keeps_the_whole_logits():
+    """fp16's loss scale multiplies the gradients in backward, after the chunked loss has formed them in
+    the forward: auto is off, and true is an error naming the key and the fix."""
+    from dstrain.errors import UserError
+    resolved = resolve(None, None, ["model.vocab_size=50304", "train.precision=fp16"], world_size=1, accelerator="cuda")
+    assert resolved.config.train.loss_chunking is False and "fp16" in resolved.sources["train.loss_chunking"]
+    with pytest.raises(UserError) as err:
+        resolve(None, None, ["train.precision=fp16", "train.loss_chunking=true"], world_size=1, accelerator="cuda")
+    problem = err.value.problems[0]
+    assert "train.loss_chunking" in problem.where and "train.precision=bf16" in problem.fix
