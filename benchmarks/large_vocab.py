@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     rows = []
     for variant in args.variants.split(","):
         child = [sys.executable, __file__, "--variant", variant, *(argv if argv is not None else sys.argv[1:])]
-        done = subprocess.run(child, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        done = subprocess.run(child, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if done.returncode or line is None:
             rows.append({"variant": variant, "error": (done.stderr or done.stdout).strip().splitlines()[-1:]})
