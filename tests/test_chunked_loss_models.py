@@ -205,3 +205,30 @@ def test_fp16_keeps_the_whole_logits():
         resolve(None, None, ["train.precision=fp16", "train.loss_chunking=true"], world_size=1, accelerator="cuda")
     problem = err.value.problems[0]
     assert "train.loss_chunking" in problem.where and "train.precision=bf16" in problem.fix
+
+
+def test_the_forward_of_transformers_5_1x_slicing_in_the_heads_call_still_splits():
+    """transformers 5.17 (the GPU image's) writes `logits = self.lm_head(hidden_states[:, slice_indices, :])`
+    after computing slice_indices, where 5.2x slices the hidden states first; both are the plain form."""
+    from transformers import Qwen2ForCausalLM
+
+    class Qwen2Of517(Qwen2ForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                 **kwargs)
+
+            hidden_states = outputs.last_hidden_state
+            # Only compute necessary logits
+            slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+            return (loss, logits)
+
+    model = Qwen2Of517(_qwen2(tied=False).config)
+    assert split_problem(model) is None

@@ -121,8 +121,8 @@ def _resolved(preset: str, *sets: str, accelerator: str = "cuda"):
     return resolve(preset, None, [*sets], world_size=1, accelerator=accelerator, env={})
 
 
-@pytest.mark.parametrize("preset", ["stage1", "stage2", "stage3"])
-def test_auto_compiles_an_hf_model_on_cuda_at_every_stage_and_explains_it(preset, llama_dir):
+@pytest.mark.parametrize("preset", ["stage1", "stage2"])
+def test_auto_compiles_an_hf_model_on_cuda_at_zero_1_and_2_and_explains_it(preset, llama_dir):
     resolved = _resolved(preset, f"model.name=hf:{llama_dir}")
     assert resolved.config.train.compile is True
     assert "each decoder layer compiled on its own" in resolved.sources["train.compile"]
@@ -131,6 +131,7 @@ def test_auto_compiles_an_hf_model_on_cuda_at_every_stage_and_explains_it(preset
 
 @pytest.mark.parametrize("preset, sets, why", [
     ("stage3", ["model.lora.r=4"], "LoRA at ZeRO stage 3"),
+    ("stage3", [], "ZeRO stage 3 measured no faster with the decoder layers compiled"),
     ("stage2_offload", [], "offload_optimizer was not measured"),
     ("stage2", [], "not on cpu"),
 ])

@@ -171,8 +171,10 @@ def split_problem(model: nn.Module) -> str | None:
     code = _code(type(inner).forward)
     head_name = next((name for name, module in inner.named_children() if module is head), None)
     call = rf"(\w+)(?::\w+)?=self\.{re.escape(prefix)}\("
+    # transformers 5.2x slices with slice_logits_to_keep(...); 5.1x with slice_indices in the head's call
     plain = (rf"hidden_states=(\w+)(?:\.last_hidden_state|\[0\])(?:hidden_states=slice_logits_to_keep\([^)]*\))?"
-             rf"logits=self\.{re.escape(head_name or '-')}\(hidden_states\)"
+             r"(?:slice_indices=slice\(-logits_to_keep,None\)ifisinstance\(logits_to_keep,int\)elselogits_to_keep)?"
+             rf"logits=self\.{re.escape(head_name or '-')}\(hidden_states(?:\[:,slice_indices,:\])?\)"
              r"loss=NoneiflabelsisnotNone:loss=self\.loss_function\((?:[^()]|\([^()]*\))*\)return")
     found_call, found_plain = re.search(call, code), re.search(plain, code)
     if not found_call or not found_plain or found_call.group(1) != found_plain.group(1):
