@@ -145,10 +145,11 @@ def test_the_built_in_gpt_gives_the_same_loss_and_gradients_chunked():
 
 
 @pytest.mark.parametrize("sets, expected, note", [
-    (["model.vocab_size=50304"], True, "auto: on (vocabulary 50,304"),
-    ([], False, "auto: off (vocabulary 256"),
+    # auto is off: on one H100 the chunked loss was 0.93-0.97x as fast for 10-23% less peak memory
+    (["model.vocab_size=50304"], False, "auto: off (measured 0.93-0.97x the tokens/s"),
+    (["model.vocab_size=50304", "train.loss_chunking=true"], True, None),
     (["model.vocab_size=50304", "train.loss_chunking=false"], False, None),
-    (["model.name=hf:/nowhere"], "auto", "decided when the model is checked"),
+    (["model.name=hf:/nowhere"], False, "set true where memory binds"),
 ])
 def test_auto_is_decided_and_explained(sets, expected, note):
     resolved = resolve(None, None, sets, world_size=1, accelerator="cpu")
@@ -167,8 +168,8 @@ def test_true_on_your_own_model_is_an_error_naming_the_key():
 
 
 def test_dstrain_run_decides_auto_for_an_hf_model_before_the_ranks_start(tmp_path):
-    """The pre-launch check builds the model on the meta device: a 40,000-token Llama chunks, and a
-    Gemma 2 (soft-capped logits) asked for chunking keeps its own loss, with one note."""
+    """The pre-launch check builds the model on the meta device: a Llama asked for chunking chunks, and a
+    Gemma 2 (soft-capped logits) asked for it keeps its own loss, with one note."""
     from transformers import AutoModelForCausalLM, Gemma2Config
 
     from hf_models import save_tiny_llama
@@ -180,12 +181,11 @@ def test_dstrain_run_decides_auto_for_an_hf_model_before_the_ranks_start(tmp_pat
         check_runtime(resolved)
         return resolved
 
-    large = checked(save_tiny_llama(tmp_path / "llama", vocab_size=40_000))
+    large = checked(save_tiny_llama(tmp_path / "llama", vocab_size=40_000), "train.loss_chunking=true")
     assert large.config.train.loss_chunking is True
-    assert large.sources["train.loss_chunking"] == ("auto: on for this model (vocabulary 40,000 >= 32,768, "
-                                                    "LlamaForCausalLM splits into body and head)")
-    small = checked(save_tiny_llama(tmp_path / "small"))
-    assert small.config.train.loss_chunking is False and "vocabulary 256 < 32,768" in small.sources["train.loss_chunking"]
+    assert "train.loss_chunking" not in " ".join(large.warnings)
+    default = checked(save_tiny_llama(tmp_path / "default", vocab_size=40_000))
+    assert default.config.train.loss_chunking is False
     gemma_dir = tmp_path / "gemma2"
     AutoModelForCausalLM.from_config(Gemma2Config(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -471,10 +471,10 @@ def test_the_plan_of_an_hf_model_takes_its_shape_and_its_loss_chunking(tmp_path)
     from dstrain.tools.estimate.planner import make_plan
     model = save_tiny_llama(tmp_path / "llama", vocab_size=40_000)
     sets = [f"model.name=hf:{model}", "data.source=synthetic", "data.seq_len=32"]
-    plan = make_plan(None, sets, None, 1, 1, 80, 64, "cuda")
+    plan = make_plan(None, sets + ["train.loss_chunking=true"], None, 1, 1, 80, 64, "cuda")
     assert (plan.workload.vocab_size, plan.workload.d_model, plan.workload.n_layer) == (40_000, 32, 2)
     assert plan.workload.loss_chunk_tokens == 1024 and any("chunks of 1,024 tokens" in n for n in plan.notes)
-    off = make_plan(None, sets + ["train.loss_chunking=false"], None, 1, 1, 80, 64, "cuda")
+    off = make_plan(None, sets, None, 1, 1, 80, 64, "cuda")  # auto: off
     assert off.workload.loss_chunk_tokens is None
     assert off.estimates[0].gpu_bytes_per_gpu > plan.estimates[0].gpu_bytes_per_gpu
 
@@ -498,8 +498,13 @@ def test_largest_micro_batch_is_the_last_that_fits_and_grows_with_chunking():
 def test_the_plan_says_how_large_a_micro_batch_chunking_lets_fit():
     from dstrain.tools.estimate.planner import make_plan
     sets = ["model.vocab_size=151936", "data.seq_len=1024", "train.micro_batch_size=4"]
-    plan = make_plan(None, sets, 1.5e9, 1, 1, 80, 512, "cuda")
+    plan = make_plan(None, sets + ["train.loss_chunking=true"], 1.5e9, 1, 1, 80, 512, "cuda")
     [note] = [n for n in plan.notes if "micro batch up to" in n]
     assert note.startswith(f"{plan.recommended}: micro batch up to ") and "with the whole logits" in note
-    off = make_plan(None, sets + ["train.loss_chunking=false"], 1.5e9, 1, 1, 80, 512, "cuda")
-    assert not [n for n in off.notes if "micro batch up to" in n]
+    assert "on in this run" in note
+    # off (auto's choice), a large vocabulary's plan still says what chunking would let fit
+    off = make_plan(None, sets, 1.5e9, 1, 1, 80, 512, "cuda")
+    [note_off] = [n for n in off.notes if "micro batch up to" in n]
+    assert "off in this run" in note_off and note_off.split("(")[0] == note.split("(")[0]
+    small = make_plan(None, ["model.vocab_size=256", "data.seq_len=1024"], 1.5e9, 1, 1, 80, 512, "cuda")
+    assert not [n for n in small.notes if "micro batch up to" in n]

@@ -17,7 +17,8 @@ from dstrain import rundir
 CONFIG_KEYS = (
     (re.compile(r"OutOfMemoryError|out of memory|CUDA error: out of memory", re.I),
      "train.micro_batch_size", "lower it (train.grad_accum_steps keeps the batch), or pick a preset that saves "
-                               "memory: `dstrain estimate` compares them"),
+                               "memory: `dstrain estimate` compares them; with a large vocabulary, "
+                               "train.loss_chunking=true never holds the whole logits"),
     (re.compile(r"Not enough buffers \d+ for swapping"),
      "deepspeed.zero_optimization.stage3_max_reuse_distance", "set it to 0 with parameters on NVMe"),
     (re.compile(r"nvme|libaio|async_io|aio_handle", re.I),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dstrain.config.schema import LOSS_CHUNKING_MIN_VOCAB
 from dstrain.config.presets import PRESET_ORDER, available
 from dstrain.config.resolve import ResolvedConfig, resolve
 from dstrain.errors import UserError
@@ -92,20 +93,23 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         work = workload(r.config, r.ds_config, total, largest, checkpointing, shape)
         estimates.append(E.estimate_one(name, E.placement_from_ds_config(r.ds_config), work, hw))
     recommended, reason = E.recommend(estimates)
-    if recommended is not None and work is not None and work.loss_chunk_tokens is not None:
-        notes.append(micro_batch_note(recommended, resolved[recommended].ds_config, estimates, work, hw))
+    if recommended is not None and work is not None and (work.loss_chunk_tokens is not None
+                                                         or work.vocab_size >= LOSS_CHUNKING_MIN_VOCAB):
+        notes.append(micro_batch_note(recommended, estimates, work, hw, base.train.loss_chunk_tokens))
     return Plan(estimates, recommended, reason, hw, work, notes)
 
 
-def micro_batch_note(name: str, ds_config: dict, estimates: list, work, hw) -> str:
-    """How large a micro batch the chunked LM loss lets the preset fit, against the whole logits."""
+def micro_batch_note(name: str, estimates: list, work, hw, chunk_tokens: int) -> str:
+    """How large a micro batch the chunked LM loss lets the preset fit, against the whole logits (a large
+    vocabulary's run says so whether or not it chunks: auto leaves chunking off where the run fits)."""
     from dstrain.tools.estimate import memory as E
 
     placement = next(e.placement for e in estimates if e.name == name)
-    chunked = E.largest_micro_batch(placement, work, hw)
+    chunked = E.largest_micro_batch(placement, replace(work, loss_chunk_tokens=work.loss_chunk_tokens or chunk_tokens), hw)
     whole = E.largest_micro_batch(placement, replace(work, loss_chunk_tokens=None), hw)
+    on = "on" if work.loss_chunk_tokens is not None else "off"
     return (f"{name}: micro batch up to {chunked} fits with the LM loss in chunks, {whole} with the whole logits "
-            f"(train.loss_chunking; this run: {work.micro_batch})")
+            f"(train.loss_chunking, {on} in this run; its micro batch: {work.micro_batch})")
 
 
 def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpointing: bool, shape: dict | None = None):
