@@ -18,6 +18,17 @@ def save_tiny_llama(directory: Path, seed: int = 0, vocab_size: int = 256) -> Pa
     return directory
 
 
+def save_tiny_qwen2(directory: Path, seed: int = 0, vocab_size: int = 256) -> Path:
+    """Qwen2: biases on the query, key and value projections, a tied output head, 2 key-value heads."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
 def save_tiny_gpt2(directory: Path, seed: int = 0) -> Path:
     """GPT-2 ties its output head to the token embedding and uses Conv1D (transposed) layers."""
     from transformers import AutoModelForCausalLM, GPT2Config

@@ -71,8 +71,13 @@ class CausalLM(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.sequence_group = None
+        """The sequence-parallel process group (train.sequence_parallel > 1; set by the rank): batches then
+        hold this rank's share of each sample (dstrain.data.sequence.shard) and the loss is the group's."""
 
     def forward(self, batch) -> torch.Tensor:
+        if self.sequence_group is not None:
+            return self._sequence_parallel_loss(batch)
         if isinstance(batch, dict):
             attention = getattr(self.model.config, "_attn_implementation", None) or ""
             if "position_ids" in batch and attention.startswith("flash"):
@@ -85,9 +90,39 @@ class CausalLM(nn.Module):
         logits = self.model(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
+    def _sequence_parallel_loss(self, batch: dict) -> torch.Tensor:
+        """The mean loss over the loss-taking tokens of the whole samples, each counted once, from this rank's
+        share of their tokens: the same value as without sequence parallelism. Its gradient is this rank's
+        tokens' part only, since DeepSpeed sums the sequence-parallel ranks' gradients (and averages over
+        the data-parallel groups)."""
+        import torch.distributed as dist
+        labels = batch["shift_labels"]
+        inputs = {key: value for key, value in batch.items() if key != "shift_labels"}
+        logits = self.model(**inputs, use_cache=False).logits
+        local = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        totals = torch.stack([local.detach(), (labels != -100).sum().to(local.dtype)])
+        dist.all_reduce(totals, group=self.sequence_group)
+        group_sum, tokens = totals[0], totals[1]
+        return (local + (group_sum - local.detach())) / tokens
+
     def enable_checkpointing(self, _checkpoint_fn: Callable) -> None:
         """Activation checkpointing through transformers' own per-layer mechanism."""
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def sequence_parallel_problem(hf_config, sp: int) -> str | None:
+    """Why DeepSpeed's Ulysses attention cannot split this model's heads over `sp` ranks, or None: each rank
+    takes heads / sp query heads, and the key-value heads must divide among the ranks or be copied to them."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads is None:
+        return "its config names no num_attention_heads"
+    if heads % sp:
+        return f"its {heads} attention heads are not divisible by {sp}"
+    if kv_heads % sp and sp % kv_heads:
+        return f"its {kv_heads} key-value heads neither divide by {sp} nor divide {sp}"
+    return None
 
 
 def flops_per_token(model: CausalLM, n_params: int, seq_len: int) -> float:

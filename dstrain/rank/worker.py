@@ -218,7 +218,8 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
     from dstrain import speedups
-    from dstrain.rank.runtime import checkpointing_wanted, enable_activation_checkpointing, initialize_engine
+    from dstrain.rank.runtime import (checkpointing_wanted, enable_activation_checkpointing, initialize_engine,
+                                      sequence_parallel_mpu)
 
     model = build_model(config, ds_config, device)
     checkpointing, why = checkpointing_wanted(config, ds_config, model, device)
@@ -227,7 +228,8 @@ def _build_engine(config, ds_config: dict, device, rank: int):
               flush=True)
     if checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
-    engine = initialize_engine(model, ds_config, config.speedups)
+    mpu = sequence_parallel_mpu(model, config)
+    engine = initialize_engine(model, ds_config, config.speedups, mpu)
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
     report = speedups.apply(engine, config.speedups)
     if rank == 0:
