@@ -74,6 +74,9 @@ class CausalLM(nn.Module):
         self.sequence_group = None
         """The sequence-parallel process group (train.sequence_parallel > 1; set by the rank): batches then
         hold this rank's share of each sample (dstrain.data.sequence.shard) and the loss is the group's."""
+        self.sequence_grad_scale = 1.0
+        """What this rank's share of the gradient is multiplied by, so that DeepSpeed's reduction makes the
+        whole samples' gradient (dstrain.rank.sequence_parallel.gradient_scale)."""
 
     def forward(self, batch) -> torch.Tensor:
         if self.sequence_group is not None:
@@ -93,8 +96,7 @@ class CausalLM(nn.Module):
     def _sequence_parallel_loss(self, batch: dict) -> torch.Tensor:
         """The mean loss over the loss-taking tokens of the whole samples, each counted once, from this rank's
         share of their tokens: the same value as without sequence parallelism. Its gradient is this rank's
-        tokens' part only, since DeepSpeed sums the sequence-parallel ranks' gradients (and averages over
-        the data-parallel groups)."""
+        tokens' part (times sequence_grad_scale): DeepSpeed adds up the ranks' gradients."""
         import torch.distributed as dist
         labels = batch["shift_labels"]
         inputs = {key: value for key, value in batch.items() if key != "shift_labels"}
@@ -103,7 +105,8 @@ class CausalLM(nn.Module):
         totals = torch.stack([local.detach(), (labels != -100).sum().to(local.dtype)])
         dist.all_reduce(totals, group=self.sequence_group)
         group_sum, tokens = totals[0], totals[1]
-        return (local + (group_sum - local.detach())) / tokens
+        mine = local * self.sequence_grad_scale
+        return (mine + (group_sum - mine.detach())) / tokens  # the group's value, this rank's gradient
 
     def enable_checkpointing(self, _checkpoint_fn: Callable) -> None:
         """Activation checkpointing through transformers' own per-layer mechanism."""

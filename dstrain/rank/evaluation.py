@@ -185,7 +185,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int
     model = build_model(config, ds_config, device)
     # The run's own DeepSpeed config, optimizer included: ZeRO keeps the fp32 weights in the
     # optimizer's partitions, and loading them is what makes the evaluated weights the trained ones.
-    engine = initialize_engine(model, ds_config, config.speedups, sequence_parallel_mpu(model, config))
+    engine = initialize_engine(model, ds_config, config.speedups, sequence_parallel_mpu(model, config, ds_config))
     checkpoint = launch.resume
     path, _ = engine.load_checkpoint(checkpoint.directory, tag=checkpoint.tag, load_optimizer_states=False,
                                      load_lr_scheduler_states=False)

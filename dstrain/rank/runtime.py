@@ -119,13 +119,13 @@ def initialize_engine(model, ds_config: dict, speedups=None, mpu=None):
     return engine
 
 
-def sequence_parallel_mpu(model, config):
+def sequence_parallel_mpu(model, config, ds_config: dict):
     """With train.sequence_parallel > 1, DeepSpeed's Ulysses attention in `model` and the mpu that
     deepspeed.initialize takes (dstrain.rank.sequence_parallel); None otherwise."""
     if config.train.sequence_parallel == 1:
         return None
     from dstrain.rank.sequence_parallel import enable
-    return enable(model, config)
+    return enable(model, config, ds_config)
 
 
 def checkpointing_wanted(config, ds_config: dict, model, device) -> tuple[bool, str | None]:

@@ -228,7 +228,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
               flush=True)
     if checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
-    mpu = sequence_parallel_mpu(model, config)
+    mpu = sequence_parallel_mpu(model, config, ds_config)
     engine = initialize_engine(model, ds_config, config.speedups, mpu)
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
     report = speedups.apply(engine, config.speedups)
