@@ -25,6 +25,9 @@ class Plan:
     hardware: object
     workload: object
     notes: list[str]
+    sequence_parallel: int = 1
+    """The train.sequence_parallel the recommendation needs (more than 1 only where the config left it 1,
+    no preset fitted without it, and an "hf:" model's heads allow it)."""
 
 
 def gpt_shape_for(params: float) -> tuple[int, int, int]:
@@ -65,9 +68,12 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         extra_sets = [f"model.n_layer={n_layer}", f"model.d_model={d_model}", f"model.n_head={n_head}",
                       "train.micro_batch_size=1"] + extra_sets
     names = [n for n in PRESET_ORDER if n in available()]
-    resolved: dict[str, ResolvedConfig] = {n: resolve(n, config_file, extra_sets, world_size=world,
-                                                      accelerator=hw.accelerator, strict=strict)
-                                          for n in names}
+
+    def resolve_all(sets: list[str]) -> dict[str, ResolvedConfig]:
+        return {n: resolve(n, config_file, sets, world_size=world, accelerator=hw.accelerator, strict=strict)
+                for n in names}
+
+    resolved = resolve_all(extra_sets)
     base = resolved[names[0]].config
     if params is not None:
         total = int(params)
@@ -77,15 +83,59 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
     else:
         from dstrain.models import count_model, model_builder
         total, largest = count_model(model_builder(base))
+    estimates, work = _estimate_all(resolved, total, largest, hw, notes)
+    recommended, reason = E.recommend(estimates)
+    if recommended is None and base.train.sequence_parallel == 1:
+        # Long sequences: the fewest sequence-parallel ranks whose share of the activations fits.
+        for degree in sequence_parallel_degrees(base, world):
+            trial_notes: list[str] = []
+            trial, trial_work = _estimate_all(resolve_all([*extra_sets, f"train.sequence_parallel={degree}"]),
+                                              total, largest, hw, trial_notes)
+            found, why = E.recommend(trial)
+            if found is not None:
+                notes += trial_notes + [f"no preset fits with each sequence on one GPU: train.sequence_parallel="
+                                        f"{degree} splits it over {degree} ranks (seq_len {base.data.seq_len} -> "
+                                        f"{base.data.seq_len // degree} tokens of activations per GPU)"]
+                return Plan(trial, found, f"{why}, with train.sequence_parallel={degree}", hw, trial_work, notes,
+                            degree)
+    return Plan(estimates, recommended, reason, hw, work, notes)
+
+
+def _estimate_all(resolved: dict[str, ResolvedConfig], total: int, largest: int, hw, notes: list[str]):
+    """Every preset's estimate (each may switch activation checkpointing on or off), and the last workload."""
+    from dstrain.tools.estimate import memory as E
+
     estimates, work = [], None
-    for name, r in resolved.items():  # each preset may switch activation checkpointing on or off
+    for name, r in resolved.items():
         checkpointing, why = checkpointing_decision(r.config, r.ds_config, total, largest, hw)
         if why:
             notes.append(f"{name}: activation checkpointing {why} (train.activation_checkpointing=auto)")
         work = workload(r.config, r.ds_config, total, largest, checkpointing)
         estimates.append(E.estimate_one(name, E.placement_from_ds_config(r.ds_config), work, hw))
-    recommended, reason = E.recommend(estimates)
-    return Plan(estimates, recommended, reason, hw, work, notes)
+    return estimates, work
+
+
+def sequence_parallel_degrees(cfg, world: int) -> list[int]:
+    """The train.sequence_parallel values above 1 this run could take, fewest ranks first: an "hf:" model,
+    a divisor of the world size and of seq_len that splits the model's heads."""
+    if not cfg.model.name.startswith("hf:"):
+        return []
+    from dstrain.models.hf import load_config, sequence_parallel_problem
+    hf_config = load_config(cfg)
+    return [d for d in range(2, world + 1) if world % d == 0 and cfg.data.seq_len % d == 0
+            and sequence_parallel_problem(hf_config, d) is None]
+
+
+def model_shape(cfg) -> tuple[int, int, int, int]:
+    """(layers, width, attention heads, vocabulary) of the configured model: the built-in GPT's settings, or
+    an "hf:" model's config.json (other models: the GPT settings, a guess the estimate says it makes)."""
+    m = cfg.model
+    if m.name.startswith("hf:"):
+        from dstrain.models.hf import load_config
+        text = load_config(cfg)
+        text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        return (text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.vocab_size)
+    return m.n_layer, m.d_model, m.n_head, m.vocab_size
 
 
 def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpointing: bool):
@@ -93,11 +143,12 @@ def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpoi
     from dstrain.tools.estimate import memory as E
 
     ac = ds_config.get("activation_checkpointing") or {}
-    return E.Workload(params=total, largest_layer_params=largest, n_layer=cfg.model.n_layer,
-                      d_model=cfg.model.d_model, n_head=cfg.model.n_head, seq_len=cfg.data.seq_len,
+    n_layer, d_model, n_head, vocab_size = model_shape(cfg)
+    return E.Workload(params=total, largest_layer_params=largest, n_layer=n_layer,
+                      d_model=d_model, n_head=n_head, seq_len=cfg.data.seq_len,
                       micro_batch=cfg.train.micro_batch_size, activation_checkpointing=activation_checkpointing,
                       cpu_checkpointing=bool(ac.get("cpu_checkpointing")), precision=cfg.train.precision,
-                      vocab_size=cfg.model.vocab_size)
+                      vocab_size=vocab_size, sequence_parallel=cfg.train.sequence_parallel)
 
 
 def checkpointing_decision(cfg, ds_config: dict, total: int, largest: int, hw) -> tuple[bool, str | None]:
@@ -114,9 +165,11 @@ def checkpointing_decision(cfg, ds_config: dict, total: int, largest: int, hw) -
     return E.auto_checkpointing(E.placement_from_ds_config(ds_config), work, hw)
 
 
-def choose_preset(config_file: Path | None, sets: list[str], ranks: int, nodes: int, accelerator: str) -> tuple[str, str]:
-    """`--preset auto`: the fastest preset whose estimate fits this machine, and why."""
+def choose_preset(config_file: Path | None, sets: list[str], ranks: int, nodes: int,
+                  accelerator: str) -> tuple[str, str, int]:
+    """`--preset auto`: the fastest preset whose estimate fits this machine, why, and the
+    train.sequence_parallel it needs (1: the config's own; see make_plan)."""
     plan = make_plan(config_file, sets, None, ranks, nodes, None, None, accelerator)
     if plan.recommended is None:
         raise UserError.single(plan.reason, "--preset auto", "see `dstrain estimate` for the figures")
-    return plan.recommended, plan.reason
+    return plan.recommended, plan.reason, plan.sequence_parallel
