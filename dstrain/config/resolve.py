@@ -335,7 +335,8 @@ def _resolve_batch(config: RunConfig, merged: Merged, world: int, problems: list
     micro, accum, glob = train.micro_batch_size, train.grad_accum_steps, train.global_batch_size
     if glob is None:
         train.global_batch_size = micro * accum * world
-        notes["train.global_batch_size"] = f"derived: micro {micro} x accum {accum} x world {world}"
+        ranks = f"world {world}" if train.sequence_parallel == 1 else f"data-parallel ranks {world}"
+        notes["train.global_batch_size"] = f"derived: micro {micro} x accum {accum} x {ranks}"
         return
     if micro * accum * world == glob:
         return
