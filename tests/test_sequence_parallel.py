@@ -3,9 +3,10 @@
 Fast: the config checks (each refusal names its key, exit 2 before any rank starts), the batch arithmetic
 over world / N, each rank's share of a batch, the gradient factor per ZeRO path, and the memory estimate.
 
-Launcher lane (2 CPU ranks, gloo: DeepSpeed's all-to-all runs on torch's gloo all_to_all_single): a run
-split over 2 sequence-parallel ranks against the same batches on one rank without it, trained with SGD at
-lr 1 and no clipping, so the weights after each step are the initial weights minus the summed gradients.
+Launcher lane (CPU ranks, gloo: DeepSpeed's all-to-all runs on torch's gloo all_to_all_single): runs whose
+sequences are split over 2 ranks against the same batches without the split (2 ranks in one group against
+1 rank; 4 ranks in 2 data-parallel groups against 2 ranks), trained with SGD at lr 1 and no clipping, so
+the weights after each step are the initial weights minus the summed gradients.
 Tolerances, float32 rounding: losses, gradient norms and eval losses rel 1e-5; weights abs 1e-5.
 """
 
@@ -207,13 +208,17 @@ def assert_same_training(split, whole) -> None:
 
 
 @pytest.mark.integration
-def test_llama_stage2_split_over_two_ranks_trains_as_one_rank_does(tmp_path):
+def test_llama_stage2_two_groups_of_two_ranks_train_as_two_data_parallel_ranks_do(tmp_path):
+    """4 ranks: 2 data-parallel groups, each sequence split over 2 ranks, against 2 ranks without the split
+    (the same samples per data-parallel rank, the same averaging over them)."""
     model_dir = save_tiny_llama(tmp_path / "llama")
     sets = (f"model.name=hf:{model_dir}", "data.tokenizer=byte", "data.seq_len=32", "train.micro_batch_size=2",
             "train.max_steps=2", "train.log_every=1", "train.eval_batches=1", "train.eval_every=2",
             "train.save_every=2", "train.export_final=true", *SGD)
-    assert_ok(run(tmp_path / "split", 2, "stage2", (*sets, "train.sequence_parallel=2")))
-    assert_ok(run(tmp_path / "whole", 1, "stage2", sets))
+    result = run(tmp_path / "split", 4, "stage2", (*sets, "train.sequence_parallel=2"))
+    assert_ok(result)
+    assert "2 data-parallel groups (world 4 / sequence_parallel 2) = 4 sequences" in result.stdout
+    assert_ok(run(tmp_path / "whole", 2, "stage2", sets))
     assert_same_training(tmp_path / "split", tmp_path / "whole")
 
 
