@@ -144,20 +144,22 @@ def test_each_gpu_holds_its_share_of_the_activations():
     assert act[4] * 4 == act[1]
 
 
-def test_estimate_picks_the_fewest_sequence_parallel_ranks_that_fit(tmp_path):
+def test_estimate_splits_sequences_over_the_fewest_ranks_that_let_a_faster_preset_fit(tmp_path):
     from dstrain.tools.estimate.planner import make_plan
 
-    model_dir = save_tiny_llama(tmp_path / "llama")
-    sets = [f"model.name=hf:{model_dir}", "data.seq_len=262144", "train.micro_batch_size=1"]
-    whole = make_plan(None, sets, None, 4, 1, 1000, 64, "cuda")
-    assert whole.recommended and whole.sequence_parallel == 1  # fits as it is: left alone
-    one_gpu = min(e.gpu_bytes_per_gpu for e in whole.estimates)
-    halved = make_plan(None, [*sets, "train.sequence_parallel=2"], None, 4, 1, 1000, 64, "cuda")
-    two_gpus = min(e.gpu_bytes_per_gpu for e in halved.estimates)
-    gpu_mem = (one_gpu + two_gpus) / 2 / 0.9 / 2**30  # between the two, past the estimate's headroom
-    plan = make_plan(None, sets, None, 4, 1, gpu_mem, 64, "cuda")
-    assert plan.sequence_parallel == 2 and plan.recommended
-    assert "train.sequence_parallel=2" in plan.reason and plan.workload.sequence_parallel == 2
+    model_dir = save_tiny_llama(tmp_path / "llama")  # 4 heads, 2 key-value heads: 2 or 4 ranks split it
+
+    def plan(seq_len: int, gpus: int):
+        sets = [f"model.name=hf:{model_dir}", f"data.seq_len={seq_len}", "train.micro_batch_size=1"]
+        return make_plan(None, sets, None, gpus, 1, 80, 512, "cuda")
+
+    long = plan(2**25, 4)  # 32M tokens: stage1's activations need ~100 GiB on one GPU, half of it on two
+    assert (long.recommended, long.sequence_parallel) == ("stage1", 2)
+    assert long.workload.sequence_parallel == 2 and "with train.sequence_parallel=2" in long.reason
+    alone = plan(2**25, 1)  # one GPU: nothing to split over, a slower preset
+    assert alone.sequence_parallel == 1 and alone.recommended != "stage1"
+    short = plan(4096, 4)
+    assert (short.recommended, short.sequence_parallel) == ("stage1", 1)
 
 
 # ------------------------------------------------------------------ launcher lane

@@ -26,8 +26,8 @@ class Plan:
     workload: object
     notes: list[str]
     sequence_parallel: int = 1
-    """The train.sequence_parallel the recommendation needs (more than 1 only where the config left it 1,
-    no preset fitted without it, and an "hf:" model's heads allow it)."""
+    """The train.sequence_parallel the recommendation needs: more than 1 only where the config left it 1, an
+    "hf:" model's heads allow it, and with it a faster preset fits than without (or one fits at all)."""
 
 
 def gpt_shape_for(params: float) -> tuple[int, int, int]:
@@ -85,19 +85,27 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         total, largest = count_model(model_builder(base))
     estimates, work = _estimate_all(resolved, total, largest, hw, notes)
     recommended, reason = E.recommend(estimates)
-    if recommended is None and base.train.sequence_parallel == 1:
-        # Long sequences: the fewest sequence-parallel ranks whose share of the activations fits.
+    fastest = names[0]
+    if recommended != fastest and base.train.sequence_parallel == 1:
+        # Long sequences: a faster preset (or any, where none fits) with each sequence split over the fewest
+        # ranks that make it fit; the split costs two all-to-alls per layer, less than a slower preset.
+        best = None
         for degree in sequence_parallel_degrees(base, world):
             trial_notes: list[str] = []
             trial, trial_work = _estimate_all(resolve_all([*extra_sets, f"train.sequence_parallel={degree}"]),
                                               total, largest, hw, trial_notes)
             found, why = E.recommend(trial)
-            if found is not None:
-                notes += trial_notes + [f"no preset fits with each sequence on one GPU: train.sequence_parallel="
-                                        f"{degree} splits it over {degree} ranks (seq_len {base.data.seq_len} -> "
-                                        f"{base.data.seq_len // degree} tokens of activations per GPU)"]
-                return Plan(trial, found, f"{why}, with train.sequence_parallel={degree}", hw, trial_work, notes,
-                            degree)
+            if found is not None and (best is None or names.index(found) < names.index(best[1])):
+                best = (degree, found, why, trial, trial_work, trial_notes)
+            if found == fastest:
+                break
+        if best is not None and (recommended is None or names.index(best[1]) < names.index(recommended)):
+            degree, found, why, trial, trial_work, trial_notes = best
+            notes += trial_notes + [f"train.sequence_parallel={degree} splits each sequence over {degree} ranks "
+                                    f"(seq_len {base.data.seq_len} -> {base.data.seq_len // degree} tokens of "
+                                    f"activations per GPU), so {found} fits"
+                                    + (f" instead of {recommended}" if recommended else "")]
+            return Plan(trial, found, f"{why}, with train.sequence_parallel={degree}", hw, trial_work, notes, degree)
     return Plan(estimates, recommended, reason, hw, work, notes)
 
 
