@@ -46,6 +46,11 @@ def test_every_impossible_combination_is_refused_at_once_naming_its_key():
     assert "eager" in found["model.kwargs.attn_implementation"]
 
 
+def test_deepspeeds_own_key_is_refused_naming_dstrains():
+    found = problems(2, "model.name=hf:some/model", "deepspeed.sequence_parallel_size=2")
+    assert "differs from train.sequence_parallel 1" in found["deepspeed.sequence_parallel_size"]
+
+
 def test_the_built_in_gpt_is_refused():
     found = problems(2, "train.sequence_parallel=2")
     assert "'gpt' is not one" in found["train.sequence_parallel"]

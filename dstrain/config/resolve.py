@@ -163,6 +163,8 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     for train_path, ds_path in LINKS:
         if get_path(config.model_dump(), ds_path) is not None:
             sources[ds_path] = f"{_auto(ds_path, written_auto)}follows {train_path} ({sources[train_path]})"
+    if "deepspeed.sequence_parallel_size" in sources:
+        sources["deepspeed.sequence_parallel_size"] = f"follows train.sequence_parallel ({sources['train.sequence_parallel']})"
     for path in ("deepspeed.fp16.enabled", "deepspeed.bf16.enabled"):
         if path in sources:
             sources[path] = f"{_auto(path, written_auto)}follows train.precision ({sources['train.precision']})"
@@ -301,6 +303,11 @@ def _check_sequence_parallel(config: RunConfig, merged: Merged, world: int, prob
     launch: dstrain.models.hf.sequence_parallel_problem). Returns the data-parallel size: the world size
     over which samples are spread, world / sequence_parallel (the world itself where N does not divide it)."""
     sp = config.train.sequence_parallel
+    written = (merged.data.get("deepspeed") or {}).get("sequence_parallel_size")
+    if written is not None and written != sp:  # DeepSpeed would count world / it data-parallel ranks, no groups
+        problems.append(Problem(f"sequence_parallel_size {written!r} differs from train.sequence_parallel {sp}: dstrain "
+                                "makes the groups and writes this key itself", _where(merged, "deepspeed.sequence_parallel_size"),
+                                f"remove it and set train.sequence_parallel={written}"))
     if sp == 1:
         return world
     where = _where(merged, "train.sequence_parallel")
