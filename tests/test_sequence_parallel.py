@@ -225,6 +225,7 @@ def test_llama_stage2_two_groups_of_two_ranks_train_as_two_data_parallel_ranks_d
     result = run(tmp_path / "split", 4, "stage2", (*sets, "train.sequence_parallel=2"))
     assert_ok(result)
     assert "2 data-parallel groups (world 4 / sequence_parallel 2) = 4 sequences" in result.stdout
+    assert "each sequence split over 2 ranks (16 tokens each), attention sdpa" in result.stdout
     assert_ok(run(tmp_path / "whole", 2, "stage2", sets))
     assert_same_training(tmp_path / "split", tmp_path / "whole")
 

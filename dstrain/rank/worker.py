@@ -229,6 +229,10 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     if checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
     mpu = sequence_parallel_mpu(model, config, ds_config)
+    if mpu is not None and rank == 0:
+        sp = config.train.sequence_parallel
+        print(f"sequence parallelism: each sequence split over {sp} ranks ({config.data.seq_len // sp} tokens each), "
+              f"attention {model.model.config._attn_implementation} through DeepSpeed's Ulysses", flush=True)
     engine = initialize_engine(model, ds_config, config.speedups, mpu)
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
     report = speedups.apply(engine, config.speedups)
