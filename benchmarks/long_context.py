@@ -4,6 +4,7 @@
     python3 benchmarks/long_context.py                                  # 1/2/4 GPUs (those present), 32K, then the longest
     python3 benchmarks/long_context.py --gpus 4 --seq-lens 32768,131072 --no-max
     python3 benchmarks/long_context.py --json benchmarks/results/2026-11-27-h100-long-context.json
+    python3 benchmarks/long_context.py --model-dir /tmp/llama-1b --gpus 4 --seq-lens "" --max-from 65536  # max only
     python3 benchmarks/long_context.py --accelerator cpu --tiny --gpus 2 --seq-lens 64 --max-from 64 --max-to 256 \\
         --steps 3 --log-every 1 --warmup 1                              # CPU smoke test (minutes)
 
@@ -136,7 +137,8 @@ def describe(row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", default=None, help="comma-separated GPU counts (default: 1, 2, 4, those present)")
-    parser.add_argument("--model-dir", type=Path, default=None, help="reuse a saved hf model (default: make one)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="the hf model folder: made there when it holds none, reused when it does (default: a temp dir)")
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama instead of the 1.1B one (smoke test)")
     parser.add_argument("--preset", default="stage3")
     parser.add_argument("--accelerator", default="cuda", choices=["cuda", "cpu"])
@@ -154,9 +156,9 @@ def main() -> None:
 
     present = gpu_count() if args.accelerator == "cuda" else 2
     counts = [int(g) for g in args.gpus.split(",")] if args.gpus else [g for g in (1, 2, 4) if g <= present]
-    model_dir = args.model_dir
-    if model_dir is None:
-        model_dir = Path(tempfile.mkdtemp(prefix="dstrain-long-context-"))
+    model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="dstrain-long-context-"))
+    if not (model_dir / "config.json").is_file():  # made once; a later call names the same --model-dir
+        model_dir.mkdir(parents=True, exist_ok=True)
         if args.tiny:
             make_tiny(model_dir)
         else:
