@@ -18,11 +18,12 @@ def save_tiny_llama(directory: Path, seed: int = 0, vocab_size: int = 256) -> Pa
     return directory
 
 
-def save_tiny_qwen2(directory: Path, seed: int = 0, tied: bool = True) -> Path:
-    """Qwen2's small models tie the output head to the token embedding (tie_word_embeddings)."""
+def save_tiny_qwen2(directory: Path, seed: int = 0, tied: bool = True, vocab_size: int = 256) -> Path:
+    """Qwen2: biases on the query, key and value projections, 2 key-value heads, and (as Qwen2's small
+    models) the output head tied to the token embedding unless `tied` is False."""
     from transformers import AutoModelForCausalLM, Qwen2Config
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)

@@ -232,3 +232,12 @@ def test_the_forward_of_transformers_5_1x_slicing_in_the_heads_call_still_splits
 
     model = Qwen2Of517(_qwen2(tied=False).config)
     assert split_problem(model) is None
+
+
+def test_true_with_sequence_parallelism_is_an_error_naming_both_keys(tmp_path):
+    from dstrain.errors import UserError
+    with pytest.raises(UserError) as err:
+        resolve(None, None, ["model.vocab_size=50304", "train.loss_chunking=true", "train.sequence_parallel=2"],
+                world_size=2, accelerator="cpu")
+    [problem] = [p for p in err.value.problems if "chunked loss" in p.message]
+    assert "train.loss_chunking" in problem.where and "train.sequence_parallel" in problem.where

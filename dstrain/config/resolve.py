@@ -113,7 +113,8 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
 
     precision = _resolve_precision(config, merged, accelerator, problems, notes)
     config.train.precision = precision
-    _resolve_batch(config, merged, world_size, problems, notes)
+    data_parallel = _check_sequence_parallel(config, merged, world_size, problems)
+    _resolve_batch(config, merged, data_parallel, problems, notes)
     rendered = _render(config, merged, notes, problems, accelerator, world_size)
     autos.check_autos_left(rendered, merged, ignored, problems)
     _cross_field_checks(rendered, merged, problems, warnings)
@@ -164,6 +165,8 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     for train_path, ds_path in LINKS:
         if get_path(config.model_dump(), ds_path) is not None:
             sources[ds_path] = f"{_auto(ds_path, written_auto)}follows {train_path} ({sources[train_path]})"
+    if "deepspeed.sequence_parallel_size" in sources:
+        sources["deepspeed.sequence_parallel_size"] = f"follows train.sequence_parallel ({sources['train.sequence_parallel']})"
     for path in ("deepspeed.fp16.enabled", "deepspeed.bf16.enabled"):
         if path in sources:
             sources[path] = f"{_auto(path, written_auto)}follows train.precision ({sources['train.precision']})"
@@ -297,13 +300,52 @@ def _pydantic_true(value: Any) -> bool:
     return value is True or (type(value) is int and value == 1)
 
 
+def _check_sequence_parallel(config: RunConfig, merged: Merged, world: int, problems: list[Problem]) -> int:
+    """train.sequence_parallel's checks that need no model (the heads are checked with the model, before
+    launch: dstrain.models.hf.sequence_parallel_problem). Returns the data-parallel size: the world size
+    over which samples are spread, world / sequence_parallel (the world itself where N does not divide it)."""
+    sp = config.train.sequence_parallel
+    written = (merged.data.get("deepspeed") or {}).get("sequence_parallel_size")
+    if written is not None and written != sp:  # DeepSpeed would count world / it data-parallel ranks, no groups
+        problems.append(Problem(f"sequence_parallel_size {written!r} differs from train.sequence_parallel {sp}: dstrain "
+                                "makes the groups and writes this key itself", _where(merged, "deepspeed.sequence_parallel_size"),
+                                f"remove it and set train.sequence_parallel={written}"))
+    if sp == 1:
+        return world
+    where = _where(merged, "train.sequence_parallel")
+    if not config.model.name.startswith("hf:"):
+        problems.append(Problem(f"sequence parallelism runs DeepSpeed's Ulysses attention inside Hugging Face models; "
+                                f"model {config.model.name!r} is not one", where,
+                                "use an \"hf:\" model (Llama, Qwen2, Mistral, ...), or train.sequence_parallel=1"))
+    if world % sp:
+        problems.append(Problem(f"sequence_parallel {sp} does not divide the world size {world}", where,
+                                f"use a divisor of {world} (e.g. {max(d for d in range(1, world + 1) if world % d == 0 and d <= sp)}), "
+                                f"or run on a multiple of {sp} GPUs (--gpus)"))
+    if config.data.seq_len % sp:
+        problems.append(Problem(f"data.seq_len {config.data.seq_len} is not divisible by sequence_parallel {sp}: each "
+                                "rank holds an equal share of every sample's tokens", _where(merged, "data.seq_len"),
+                                f"set data.seq_len to a multiple of {sp} (e.g. {config.data.seq_len // sp * sp or sp})"))
+    if config.data.packing is True:
+        problems.append(Problem("packed examples are not supported with sequence parallelism: Ulysses' sdpa path "
+                                "attends across the examples of a row", _where(merged, "data.packing"),
+                                "set data.packing: auto (or false): one padded example per row"))
+    attention = config.model.kwargs.get("attn_implementation")
+    if attention in ("eager", "paged|eager"):
+        problems.append(Problem(f"attn_implementation {attention!r} does not run under DeepSpeed's Ulysses attention "
+                                "(it needs a 4D mask of the whole sequence)", _where(merged, "model.kwargs.attn_implementation"),
+                                "use sdpa (the default), flash_attention_2 or flex_attention"))
+    return world // sp if world % sp == 0 else world
+
+
 def _resolve_batch(config: RunConfig, merged: Merged, world: int, problems: list[Problem],
                    notes: dict[str, str]) -> None:
+    """The batch arithmetic over `world`: the data-parallel size (the world size / train.sequence_parallel)."""
     train = config.train
     micro, accum, glob = train.micro_batch_size, train.grad_accum_steps, train.global_batch_size
     if glob is None:
         train.global_batch_size = micro * accum * world
-        notes["train.global_batch_size"] = f"derived: micro {micro} x accum {accum} x world {world}"
+        ranks = f"world {world}" if train.sequence_parallel == 1 else f"data-parallel ranks {world}"
+        notes["train.global_batch_size"] = f"derived: micro {micro} x accum {accum} x {ranks}"
         return
     if micro * accum * world == glob:
         return
@@ -338,6 +380,8 @@ def _render(config: RunConfig, merged: Merged, notes: dict[str, str], problems: 
     ds["train_micro_batch_size_per_gpu"] = train.micro_batch_size
     ds["gradient_accumulation_steps"] = train.grad_accum_steps
     ds["train_batch_size"] = train.global_batch_size
+    if train.sequence_parallel > 1:  # read by DeepSpeed's config check where no mpu is passed (zero.Init)
+        ds["sequence_parallel_size"] = train.sequence_parallel
     ds["gradient_clipping"] = train.grad_clip
     _render_precision(ds, train, notes)
     render_speed_defaults(ds, config, merged, accelerator, world, notes)

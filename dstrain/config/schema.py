@@ -188,7 +188,7 @@ class TrainConfig(Section):
     """Micro batches accumulated per optimizer step (DeepSpeed's gradient_accumulation_steps)."""
     global_batch_size: PositiveInt | None = None
     """Sequences per optimizer step over all ranks (DeepSpeed's train_batch_size);
-    left unset it is micro_batch_size x grad_accum_steps x world size."""
+    left unset it is micro_batch_size x grad_accum_steps x world size (/ train.sequence_parallel)."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Training precision: "auto" is bf16 on a GPU that supports it, fp16 on older GPUs, fp32 on CPU."""
     mixed_precision: Literal["deepspeed", "autocast"] = "deepspeed"
@@ -216,6 +216,12 @@ class TrainConfig(Section):
     """Adam epsilon (0 is allowed, as in torch's Adam)."""
     grad_clip: NonNegativeFloat = 1.0
     """Clip the global gradient norm to this value; 0 disables (DeepSpeed's gradient_clipping)."""
+    sequence_parallel: PositiveInt = 1
+    """Ranks that split each sample's sequence between them, for sequences too long for one GPU: each
+    holds seq_len / N tokens and attention exchanges heads for tokens (DeepSpeed's Ulysses, "hf:" models
+    with sdpa or flash attention). N must divide the world size, data.seq_len and the model's attention
+    and key-value heads; data parallelism runs over world / N groups, so the global batch is
+    micro x accum x world / N samples. 1: off. See docs/long-context.md."""
     activation_checkpointing: bool | Literal["auto"] = False
     """Recompute each transformer block in backward instead of storing its activations, through
     DeepSpeed's checkpointing (see deepspeed.activation_checkpointing for partition/cpu options).

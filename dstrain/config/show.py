@@ -70,11 +70,14 @@ def plan_lines(config, ds_config: dict, world: int, accelerator: str, preset: st
         return "sharded" if on else "replicated"
 
     tokens = t.global_batch_size * config.data.seq_len
+    sp = t.sequence_parallel
+    ranks = f"world {world}" if sp == 1 else f"{world // sp} data-parallel groups (world {world} / sequence_parallel {sp})"
+    split = "" if sp == 1 else f"; each sequence split over {sp} ranks, {config.data.seq_len // sp} tokens each"
     lines = [
         f"preset {preset or '(none)'}, ZeRO stage {stage}, precision {t.precision}, "
         f"accelerator {accelerator}, world size {world}",
-        f"batch: micro {t.micro_batch_size} x grad accum {t.grad_accum_steps} x world {world} "
-        f"= {t.global_batch_size} sequences x {config.data.seq_len} tokens = {tokens:,} tokens/step",
+        f"batch: micro {t.micro_batch_size} x grad accum {t.grad_accum_steps} x {ranks} "
+        f"= {t.global_batch_size} sequences x {config.data.seq_len} tokens = {tokens:,} tokens/step{split}",
         f"params: {where_params}, {sharded(stage >= 3)}; gradients: {sharded(stage >= 2)}; "
         f"optimizer states: {where_opt}, {sharded(stage >= 1)}",
     ]

@@ -47,8 +47,9 @@ def launch(o: LaunchOptions) -> int:
     shape = job_shape(o, accelerator)
     _warn_about_launcher(o, shape, console)
     frozen = _frozen_config(o)
-    resolved = resolve(_preset(o, shape, accelerator, console), frozen or o.config_file, o.sets,
-                       world_size=shape.world, accelerator=accelerator, strict=o.strict)
+    preset, sets = _preset(o, shape, accelerator, console)
+    resolved = resolve(preset, frozen or o.config_file, sets, world_size=shape.world, accelerator=accelerator,
+                       strict=o.strict)
     if frozen:
         console.print(f"[yellow]note:[/] --resume without --config or --preset: the run directory's own config "
                       f"{frozen} is used (--set still overrides it)", soft_wrap=True)
@@ -189,14 +190,15 @@ def _warn_about_launcher(o: LaunchOptions, shape: JobShape, console: Console) ->
              "not installed here: pip install mpi4py (on every node)")
 
 
-def _preset(o: LaunchOptions, shape: JobShape, accelerator: str, console: Console) -> str | None:
-    """The preset to resolve: the one named, or for `--preset auto` the fastest that fits."""
+def _preset(o: LaunchOptions, shape: JobShape, accelerator: str, console: Console) -> tuple[str | None, list[str]]:
+    """The preset to resolve and the --set list: the preset named, or for `--preset auto` the fastest that
+    fits, with the train.sequence_parallel it needs where sequences fit only split over ranks."""
     if not (o.preset and o.preset.strip().lower() == "auto"):
-        return o.preset
+        return o.preset, o.sets
     from dstrain.tools.estimate.planner import choose_preset
-    preset, reason = choose_preset(o.config_file, o.sets, shape.ranks, shape.nodes, accelerator)
+    preset, reason, degree = choose_preset(o.config_file, o.sets, shape.ranks, shape.nodes, accelerator)
     console.print(f"--preset auto: {preset} ({reason})")
-    return preset
+    return preset, [*o.sets, f"train.sequence_parallel={degree}"] if degree > 1 else o.sets
 
 
 def _resume_target(o: LaunchOptions, run_dir: Path, resolved: ResolvedConfig,

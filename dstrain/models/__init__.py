@@ -111,6 +111,12 @@ def check_model(config: RunConfig) -> ModelFacts:
     block = None
     if hf.is_hf(config.model.name):
         hf.check_vocab(config, model.model.config)  # peft's wrapper forwards .config
+        sp = config.train.sequence_parallel
+        problem = hf.sequence_parallel_problem(model.model.config, sp) if sp > 1 else None
+        if problem:
+            raise UserError.single(f"sequence_parallel {sp} cannot split model {config.model.name!r}: {problem}",
+                                   "train.sequence_parallel", "use a sequence_parallel that divides the attention "
+                                   "heads (and the key-value heads, or one they divide)")
         if Path(hf.source_of(config)).is_dir():  # a hub id is downloaded by the ranks, not here
             hf.weight_files(config)
         block = hf.block_class(model)

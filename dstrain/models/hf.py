@@ -77,6 +77,12 @@ class CausalLM(nn.Module):
     def __init__(self, model: nn.Module, chunking: bool | str = False, chunk_tokens: int = 1024):
         super().__init__()
         self.model = model
+        self.sequence_group = None
+        """The sequence-parallel process group (train.sequence_parallel > 1; set by the rank): batches then
+        hold this rank's share of each sample (dstrain.data.sequence.shard) and the loss is the group's."""
+        self.sequence_grad_scale = 1.0
+        """What this rank's share of the gradient is multiplied by, so that DeepSpeed's reduction makes the
+        whole samples' gradient (dstrain.rank.sequence_parallel.gradient_scale)."""
         self.lm_loss: nn.Module | None = None
         self.loss_note: str | None = None
         self.loss_why = "train.loss_chunking=false"  # why the loss is chunked or not, for the plan's sources
@@ -102,6 +108,8 @@ class CausalLM(nn.Module):
         self.lm_loss = LMHeadLoss(head, chunk_tokens)
 
     def forward(self, batch) -> torch.Tensor:
+        if self.sequence_group is not None:
+            return self._sequence_parallel_loss(batch)
         if isinstance(batch, dict):
             attention = getattr(self.model.config, "_attn_implementation", None) or ""
             if "position_ids" in batch and attention.startswith("flash"):
@@ -123,6 +131,21 @@ class CausalLM(nn.Module):
     def _chunked_loss(self, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
         hidden = self._body[0](**inputs, use_cache=False)[0]  # the last hidden state, after the final norm
         return self.lm_loss(hidden, targets)
+
+    def _sequence_parallel_loss(self, batch: dict) -> torch.Tensor:
+        """The mean loss over the loss-taking tokens of the whole samples, each counted once, from this rank's
+        share of their tokens: the same value as without sequence parallelism. Its gradient is this rank's
+        tokens' part (times sequence_grad_scale): DeepSpeed adds up the ranks' gradients."""
+        import torch.distributed as dist
+        labels = batch["shift_labels"]
+        inputs = {key: value for key, value in batch.items() if key != "shift_labels"}
+        logits = self.model(**inputs, use_cache=False).logits
+        local = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        totals = torch.stack([local.detach(), (labels != -100).sum().to(local.dtype)])
+        dist.all_reduce(totals, group=self.sequence_group)
+        group_sum, tokens = totals[0], totals[1]
+        mine = local * self.sequence_grad_scale
+        return (mine + (group_sum - mine.detach())) / tokens  # the group's value, this rank's gradient
 
     def enable_checkpointing(self, _checkpoint_fn: Callable) -> None:
         """Activation checkpointing through transformers' own per-layer mechanism."""
@@ -182,6 +205,19 @@ def split_problem(model: nn.Module) -> str | None:
     loss_name = getattr(getattr(inner, "loss_function", None), "__name__", "")
     if loss_name != "ForCausalLMLoss":
         return f"its loss function is {loss_name or 'unknown'}, not transformers' ForCausalLMLoss"
+
+def sequence_parallel_problem(hf_config, sp: int) -> str | None:
+    """Why DeepSpeed's Ulysses attention cannot split this model's heads over `sp` ranks, or None: each rank
+    takes heads / sp query heads, and the key-value heads must divide among the ranks or be copied to them."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads is None:
+        return "its config names no num_attention_heads"
+    if heads % sp:
+        return f"its {heads} attention heads are not divisible by {sp}"
+    if kv_heads % sp and sp % kv_heads:
+        return f"its {kv_heads} key-value heads neither divide by {sp} nor divide {sp}"
     return None
 
 

@@ -72,6 +72,8 @@ def decide_packing(config: RunConfig) -> tuple[bool, str | None]:
     data = config.data
     if data.packing is False or data.format == "text" or data.source not in ROW_SOURCES:
         return False, None
+    if config.train.sequence_parallel > 1:  # data.packing true is refused in resolution
+        return False, "data.packing auto: one padded example per row, since train.sequence_parallel is on"
     problem = model_packing_problem(config)
     if problem is None:
         return True, None

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dstrain.config.schema import STREAM_EVAL_BATCHES, RunConfig
 from dstrain.data.sampler import to_device
+from dstrain.data.sequence import Layout
 from dstrain.rank import heartbeat
 from dstrain.rank.cadence import EarlyStop
 from dstrain.rundir import LaunchInfo, write_atomic
@@ -53,7 +54,8 @@ def evaluate(engine, config: RunConfig, eval_sampler, device) -> EvalResult:
     The sample set depends on the config, not on the world size. Each rank takes a contiguous share
     in micro batches; every rank runs the same number of forward passes (ZeRO-3 gathers parameters in
     each), a share that runs out being topped up with rows whose labels are all masked."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = Layout.of(dist.get_rank(), dist.get_world_size(), config.train.sequence_parallel)
+    rank, world = layout.data_rank, layout.data_world  # a sequence-parallel group shares its samples
     micro = config.train.micro_batch_size
     total = eval_samples(config, eval_sampler)
     per_rank = -(-total // world)
@@ -66,12 +68,15 @@ def evaluate(engine, config: RunConfig, eval_sampler, device) -> EvalResult:
             heartbeat.beat("eval")
             real = max(0, min(micro, last - start))
             batch, tokens = _eval_batch(eval_sampler, start if real else 0, micro, real)
-            loss = forward(to_device(batch, device))
+            loss = forward(to_device(layout.share(batch), device))
             if tokens:  # a batch with no loss token returns nan (0 / 0): it adds nothing
                 loss_sum += loss.double() * tokens
                 weight += tokens
     engine.train()
     counts = torch.tensor([weight, eval_sampler.examples(first, last - first)], device=device, dtype=torch.float64)
+    if layout.sequence_rank:  # the group's loss and counts once, from its first rank
+        loss_sum.zero_()
+        counts.zero_()
     dist.all_reduce(loss_sum)
     dist.all_reduce(counts)
     return EvalResult(loss_sum.item() / max(counts[0].item(), 1), total, int(counts[1].item()), eval_sampler.size)
@@ -170,7 +175,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int
     from dstrain.data import build_samplers
     from dstrain.hangs import collective_timeout_s
     from dstrain.models import build_model
-    from dstrain.rank.runtime import init_rank, initialize_engine, quiet_logging, seed_everything
+    from dstrain.rank.runtime import init_rank, initialize_engine, quiet_logging, seed_everything, sequence_parallel_mpu
 
     quiet_logging(launch.verbose)
     rank, world, device = init_rank(collective_timeout_s(launch.hang_timeout_s))
@@ -180,7 +185,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int
     model = build_model(config, ds_config, device)
     # The run's own DeepSpeed config, optimizer included: ZeRO keeps the fp32 weights in the
     # optimizer's partitions, and loading them is what makes the evaluated weights the trained ones.
-    engine = initialize_engine(model, ds_config, config.speedups)
+    engine = initialize_engine(model, ds_config, config.speedups, sequence_parallel_mpu(model, config, ds_config))
     checkpoint = launch.resume
     path, _ = engine.load_checkpoint(checkpoint.directory, tag=checkpoint.tag, load_optimizer_states=False,
                                      load_lr_scheduler_states=False)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dstrain.config.schema import RunConfig
 from dstrain.data.sampler import rank_batch, to_device
+from dstrain.data.sequence import Layout
 from dstrain.rank import heartbeat
 from dstrain.rank.checkpointing import Checkpointer
 from dstrain.rank.evaluation import Evaluator
@@ -132,6 +133,7 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
     """Train from start_step to train.max_steps."""
     t = config.train
     rank, world = dist.get_rank(), dist.get_world_size()
+    layout = Layout.of(rank, world, t.sequence_parallel)  # which samples, and which of their tokens
     guard, evaluator, checkpointer, metrics = parts.guard, parts.evaluator, parts.checkpointer, parts.metrics
     vote = StopVote(dist.new_group(backend="gloo"))
     state = LoopState(step=start_step)
@@ -144,7 +146,7 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
     while state.step < t.max_steps:
         lr = engine.optimizer.param_groups[0]["lr"]  # get_lr() warns before the first step
         data_step = guard.data_step(state.step)
-        step_loss, fetch_s = _optimizer_step(engine, t, parts.train_sampler, data_step, state.step, rank, world,
+        step_loss, fetch_s = _optimizer_step(engine, t, parts.train_sampler, data_step, state.step, layout,
                                              parts.device)
         # a pure function of the sample indices: no collective needed, rank 0 counts
         real_tokens = (parts.train_sampler.real_tokens(data_step * t.global_batch_size, t.global_batch_size)
@@ -198,7 +200,7 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
     return state
 
 
-def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, rank: int, world: int, device):
+def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, layout: Layout, device):
     """One optimizer step over train.grad_accum_steps micro-batches: (the summed loss, a device tensor
     nothing waits for; host seconds spent building batches)."""
     step_loss = torch.zeros((), device=device)
@@ -206,8 +208,8 @@ def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, rank: i
     for micro_step in range(t.grad_accum_steps):
         heartbeat.beat("data", step + 1)
         fetch_start = time.perf_counter()
-        batch = to_device(rank_batch(train_sampler, data_step, micro_step, rank, world, t.micro_batch_size,
-                                     t.grad_accum_steps), device)
+        batch = to_device(layout.share(rank_batch(train_sampler, data_step, micro_step, layout.data_rank,
+                                                  layout.data_world, t.micro_batch_size, t.grad_accum_steps)), device)
         fetch_s += time.perf_counter() - fetch_start
         heartbeat.beat("forward")
         loss = engine(batch)

@@ -106,17 +106,26 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def initialize_engine(model, ds_config: dict, speedups=None):
+def initialize_engine(model, ds_config: dict, speedups=None, mpu=None):
     """deepspeed.initialize over the model's trainable parameters, as the worker and `dstrain eval` build
     their engines, with dstrain's changes that act while an engine is built (`speedups`: the config's
-    section; dstrain/speedups/)."""
+    section; dstrain/speedups/); `mpu`: the sequence-parallel groups (dstrain.rank.sequence_parallel)."""
     import deepspeed
 
     from dstrain.speedups import building_engine
     with building_engine(speedups):
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, mpu=mpu,
                                                model_parameters=[p for p in model.parameters() if p.requires_grad])
     return engine
+
+
+def sequence_parallel_mpu(model, config, ds_config: dict):
+    """With train.sequence_parallel > 1, DeepSpeed's Ulysses attention in `model` and the mpu that
+    deepspeed.initialize takes (dstrain.rank.sequence_parallel); None otherwise."""
+    if config.train.sequence_parallel == 1:
+        return None
+    from dstrain.rank.sequence_parallel import enable
+    return enable(model, config, ds_config)
 
 
 def checkpointing_wanted(config, ds_config: dict, model, device) -> tuple[bool, str | None]:

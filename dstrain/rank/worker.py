@@ -219,7 +219,8 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
     from dstrain import speedups
-    from dstrain.rank.runtime import checkpointing_wanted, enable_activation_checkpointing, initialize_engine
+    from dstrain.rank.runtime import (checkpointing_wanted, enable_activation_checkpointing, initialize_engine,
+                                      sequence_parallel_mpu)
 
     model = build_model(config, ds_config, device)
     checkpointing, why = checkpointing_wanted(config, ds_config, model, device)
@@ -228,7 +229,12 @@ def _build_engine(config, ds_config: dict, device, rank: int):
               flush=True)
     if checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
-    engine = initialize_engine(model, ds_config, config.speedups)
+    mpu = sequence_parallel_mpu(model, config, ds_config)
+    if mpu is not None and rank == 0:
+        sp = config.train.sequence_parallel
+        print(f"sequence parallelism: each sequence split over {sp} ranks ({config.data.seq_len // sp} tokens each), "
+              f"attention {model.model.config._attn_implementation} through DeepSpeed's Ulysses", flush=True)
+    engine = initialize_engine(model, ds_config, config.speedups, mpu)
     engine.config = redact(ds_config)  # DeepSpeed stores this dict in every checkpoint: no API keys there
     report = speedups.apply(engine, config.speedups)
     if rank == 0:

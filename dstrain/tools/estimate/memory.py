@@ -92,6 +92,10 @@ eq. 1, no tensor/sequence parallelism): s*b*h*(34 + 5*a*s/h) bytes per layer in 
   logits, fp32 probabilities and gradient, c'*vocab*(4 + 2w), plus the head's weight gradient, summed
   in fp32 over the chunks and kept in its dtype for backward, vocab*d*(4 + w), plus the hidden
   states' gradient, b*s*d*w.
+- Sequence parallelism over N ranks (train.sequence_parallel, DeepSpeed's Ulysses): each GPU holds s/N
+  tokens of every activation above, logits included (whole or chunked); the core attention runs over the whole sequence
+  for a/N heads, so the score matrix (without flash attention) is 5*(a/N)*s^2*b. The model states are
+  sharded over all ranks as before (ZeRO partitions over the data- and sequence-parallel ranks together).
 
 Fits: GPU bytes <= 90% of GPU memory (GPU_HEADROOM, for fragmentation and the transient peaks
 not modelled), host bytes <= host RAM, NVMe bytes <= `Hardware.nvme_free_bytes` when known.
@@ -179,6 +183,8 @@ class Workload:
     """train.loss_chunking's tokens per chunk where the LM loss runs in chunks; None: the whole logits."""
     flash_attention: bool = True
     """Attention via SDPA/flash: the s^2 score matrix is not stored."""
+    sequence_parallel: int = 1
+    """Ranks that split each sequence (train.sequence_parallel): each GPU holds seq_len / N tokens."""
     zero_init: bool = True
     """Stage 3 builds the model under deepspeed.zero.Init (partitioned as it is built)."""
 
@@ -344,7 +350,7 @@ def placement_from_ds_config(ds: dict) -> Placement:
 
 def _check_inputs(placement: Placement, work: Workload, hw: Hardware) -> None:
     problems: list[Problem] = []
-    for name in ("params", "n_layer", "d_model", "n_head", "seq_len", "micro_batch", "vocab_size"):
+    for name in ("params", "n_layer", "d_model", "n_head", "seq_len", "micro_batch", "vocab_size", "sequence_parallel"):
         if getattr(work, name) <= 0:
             problems.append(Problem(f"must be positive, got {getattr(work, name)}", f"workload.{name}"))
     if work.loss_chunk_tokens is not None and work.loss_chunk_tokens <= 0:
@@ -371,12 +377,15 @@ def _check_inputs(placement: Placement, work: Workload, hw: Hardware) -> None:
 def _activations(work: Workload, low_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
     """Activation bytes per GPU and per rank on the host (Korthikanti et al. 2022, see module doc)."""
     s, b, h, a = work.seq_len, work.micro_batch, work.d_model, work.n_head
+    sp = work.sequence_parallel
+    local = s // sp  # this GPU's tokens of each sequence
     scale = low_bytes / 2  # the formula is in 16-bit bytes; fp32 doubles it
-    per_layer = 34 * s * b * h
+    per_layer = 34 * local * b * h
     if not work.flash_attention:
-        per_layer += 5 * a * s * s * b
+        per_layer += 5 * a * s * s * b // sp  # a/N heads over the whole sequence
     per_layer = int(per_layer * scale)
     logits = _logits_bytes(work, low_bytes)
+    s = local
     gpu: dict[str, int] = {}
     host: dict[str, int] = {}
     if work.activation_checkpointing:
@@ -391,7 +400,7 @@ def _activations(work: Workload, low_bytes: int) -> tuple[dict[str, int], dict[s
 
 def _logits_bytes(work: Workload, low_bytes: int) -> int:
     """The LM loss's own memory at its peak, whole or in chunks (see the module docstring)."""
-    tokens, vocab = work.micro_batch * work.seq_len, work.vocab_size
+    tokens, vocab = work.micro_batch * (work.seq_len // work.sequence_parallel), work.vocab_size  # this GPU's
     if work.loss_chunk_tokens is None:
         return 12 * tokens * vocab
     chunk = min(work.loss_chunk_tokens, tokens)
@@ -750,7 +759,8 @@ def render(estimates: list[PresetEstimate], recommended: str | None, reason: str
     kind = "GPU" if hw.accelerator == "cuda" else "CPU rank"
     console.print(
         f"{work.params / 1e9:.2f}B params (largest layer {work.largest_layer_params / 1e6:.0f}M), "
-        f"{work.precision}, micro_batch {work.micro_batch} x seq_len {work.seq_len}, "
+        f"{work.precision}, micro_batch {work.micro_batch} x seq_len {work.seq_len}"
+        f"{f' over {work.sequence_parallel} sequence-parallel ranks' if work.sequence_parallel > 1 else ''}, "
         f"activation checkpointing {'on' if work.activation_checkpointing else 'off'}"
         f"{' (to CPU)' if work.activation_checkpointing and work.cpu_checkpointing else ''}")
     console.print(

@@ -26,6 +26,9 @@ class Plan:
     hardware: object
     workload: object
     notes: list[str]
+    sequence_parallel: int = 1
+    """The train.sequence_parallel the recommendation needs: more than 1 only where the config left it 1, an
+    "hf:" model's heads allow it, and with it a faster preset fits than without (or one fits at all)."""
 
 
 def gpt_shape_for(params: float) -> tuple[int, int, int]:
@@ -66,9 +69,12 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         extra_sets = [f"model.n_layer={n_layer}", f"model.d_model={d_model}", f"model.n_head={n_head}",
                       "train.micro_batch_size=1"] + extra_sets
     names = [n for n in PRESET_ORDER if n in available()]
-    resolved: dict[str, ResolvedConfig] = {n: resolve(n, config_file, extra_sets, world_size=world,
-                                                      accelerator=hw.accelerator, strict=strict)
-                                          for n in names}
+
+    def resolve_all(sets: list[str]) -> dict[str, ResolvedConfig]:
+        return {n: resolve(n, config_file, sets, world_size=world, accelerator=hw.accelerator, strict=strict)
+                for n in names}
+
+    resolved = resolve_all(extra_sets)
     base = resolved[names[0]].config
     if params is not None:
         total = int(params)
@@ -85,18 +91,61 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
     if (shape or {}).get("loss_chunk_tokens") or (shape is None and base.train.loss_chunking is True):
         notes.append(f"the LM loss runs in chunks of {base.train.loss_chunk_tokens:,} tokens (train.loss_chunking): "
                      "the logits are estimated per chunk")
+    estimates, work = _estimate_all(resolved, total, largest, hw, notes, shape)
+    recommended, reason = E.recommend(estimates)
+    plan = Plan(estimates, recommended, reason, hw, work, notes)
+    fastest = names[0]
+    if recommended != fastest and base.train.sequence_parallel == 1:
+        # Long sequences: a faster preset (or any, where none fits) with each sequence split over the fewest
+        # ranks that make it fit; the split costs two all-to-alls per layer, less than a slower preset.
+        best = None
+        for degree in sequence_parallel_degrees(base, world):
+            trial_notes: list[str] = []
+            trial, trial_work = _estimate_all(resolve_all([*extra_sets, f"train.sequence_parallel={degree}"]),
+                                              total, largest, hw, trial_notes, shape)
+            found, why = E.recommend(trial)
+            if found is not None and (best is None or names.index(found) < names.index(best[1])):
+                best = (degree, found, why, trial, trial_work, trial_notes)
+            if found == fastest:
+                break
+        if best is not None and (recommended is None or names.index(best[1]) < names.index(recommended)):
+            degree, found, why, trial, trial_work, trial_notes = best
+            notes += trial_notes + [f"train.sequence_parallel={degree} splits each sequence over {degree} ranks "
+                                    f"(seq_len {base.data.seq_len} -> {base.data.seq_len // degree} tokens of "
+                                    f"activations per GPU), so {found} fits"
+                                    + (f" instead of {recommended}" if recommended else "")]
+            plan = Plan(trial, found, f"{why}, with train.sequence_parallel={degree}", hw, trial_work, notes, degree)
+    if plan.recommended is not None and plan.workload is not None and (
+            plan.workload.loss_chunk_tokens is not None or plan.workload.vocab_size >= LOSS_CHUNKING_MIN_VOCAB):
+        notes.append(micro_batch_note(plan.recommended, plan.estimates, plan.workload, hw,
+                                      base.train.loss_chunk_tokens))
+    return plan
+
+
+def _estimate_all(resolved: dict[str, ResolvedConfig], total: int, largest: int, hw, notes: list[str],
+                  shape: dict | None = None):
+    """Every preset's estimate (each may switch activation checkpointing on or off), and the last workload."""
+    from dstrain.tools.estimate import memory as E
+
     estimates, work = [], None
-    for name, r in resolved.items():  # each preset may switch activation checkpointing on or off
+    for name, r in resolved.items():
         checkpointing, why = checkpointing_decision(r.config, r.ds_config, total, largest, hw, shape)
         if why:
             notes.append(f"{name}: activation checkpointing {why} (train.activation_checkpointing=auto)")
         work = workload(r.config, r.ds_config, total, largest, checkpointing, shape)
         estimates.append(E.estimate_one(name, E.placement_from_ds_config(r.ds_config), work, hw))
-    recommended, reason = E.recommend(estimates)
-    if recommended is not None and work is not None and (work.loss_chunk_tokens is not None
-                                                         or work.vocab_size >= LOSS_CHUNKING_MIN_VOCAB):
-        notes.append(micro_batch_note(recommended, estimates, work, hw, base.train.loss_chunk_tokens))
-    return Plan(estimates, recommended, reason, hw, work, notes)
+    return estimates, work
+
+
+def sequence_parallel_degrees(cfg, world: int) -> list[int]:
+    """The train.sequence_parallel values above 1 this run could take, fewest ranks first: an "hf:" model,
+    a divisor of the world size and of seq_len that splits the model's heads."""
+    if not cfg.model.name.startswith("hf:"):
+        return []
+    from dstrain.models.hf import load_config, sequence_parallel_problem
+    hf_config = load_config(cfg)
+    return [d for d in range(2, world + 1) if world % d == 0 and cfg.data.seq_len % d == 0
+            and sequence_parallel_problem(hf_config, d) is None]
 
 
 def micro_batch_note(name: str, estimates: list, work, hw, chunk_tokens: int) -> str:
@@ -125,7 +174,8 @@ def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpoi
     fields.update(shape or {})
     return E.Workload(params=total, largest_layer_params=largest, seq_len=cfg.data.seq_len,
                       micro_batch=cfg.train.micro_batch_size, activation_checkpointing=activation_checkpointing,
-                      cpu_checkpointing=bool(ac.get("cpu_checkpointing")), precision=cfg.train.precision, **fields)
+                      cpu_checkpointing=bool(ac.get("cpu_checkpointing")), precision=cfg.train.precision,
+                      sequence_parallel=cfg.train.sequence_parallel, **fields)
 
 
 def checkpointing_decision(cfg, ds_config: dict, total: int, largest: int, hw,
@@ -143,10 +193,12 @@ def checkpointing_decision(cfg, ds_config: dict, total: int, largest: int, hw,
     return E.auto_checkpointing(E.placement_from_ds_config(ds_config), work, hw)
 
 
-def choose_preset(config_file: Path | None, sets: list[str], ranks: int, nodes: int, accelerator: str) -> tuple[str, str]:
-    """`--preset auto`: the fastest preset whose estimate fits this machine, and why."""
+def choose_preset(config_file: Path | None, sets: list[str], ranks: int, nodes: int,
+                  accelerator: str) -> tuple[str, str, int]:
+    """`--preset auto`: the fastest preset whose estimate fits this machine, why, and the
+    train.sequence_parallel it needs (1: the config's own; see make_plan)."""
     plan = make_plan(config_file, sets, None, ranks, nodes, None, None, accelerator)
     if plan.recommended is None:
         raise UserError.single(plan.reason, "--preset auto", "see `dstrain estimate` for the figures")
     micro = [n for n in plan.notes if n.startswith(f"{plan.recommended}: micro batch up to")]
-    return plan.recommended, plan.reason + "".join(f"; {n.split(': ', 1)[1]}" for n in micro)
+    return plan.recommended, plan.reason + "".join(f"; {n.split(': ', 1)[1]}" for n in micro), plan.sequence_parallel
