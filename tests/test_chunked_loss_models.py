@@ -5,6 +5,7 @@ keep their own loss with a note; the config switch and its checks. fp32, toleran
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dstrain.config.resolve import resolve
 from dstrain.models.gpt import GPT
@@ -234,10 +235,29 @@ def test_the_forward_of_transformers_5_1x_slicing_in_the_heads_call_still_splits
     assert split_problem(model) is None
 
 
-def test_true_with_sequence_parallelism_is_an_error_naming_both_keys(tmp_path):
-    from dstrain.errors import UserError
-    with pytest.raises(UserError) as err:
-        resolve(None, None, ["model.vocab_size=50304", "train.loss_chunking=true", "train.sequence_parallel=2"],
-                world_size=2, accelerator="cpu")
-    [problem] = [p for p in err.value.problems if "chunked loss" in p.message]
-    assert "train.loss_chunking" in problem.where and "train.sequence_parallel" in problem.where
+
+def test_under_sequence_parallelism_the_chunked_loss_gives_the_groups_loss_and_gradients(tmp_path):
+    """The sequence-parallel loss sums each rank's share of the tokens over its group: chunked (the sum
+    reduction of the chunked loss) and whole logits agree, here in a group of one gloo rank."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        batch = _batches()["dict"]
+        labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+        shard = {"input_ids": batch["input_ids"], "shift_labels": labels}
+        models = []
+        for chunking in (False, True):
+            model = CausalLM(_qwen2(tied=True), chunking=chunking, chunk_tokens=5)
+            model.sequence_group = dist.group.WORLD
+            models.append(model)
+        assert models[1].lm_loss is not None
+        losses = []
+        for model in models:
+            loss = model(shard)
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+        for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()

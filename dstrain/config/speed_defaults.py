@@ -223,14 +223,6 @@ def resolve_loss_chunking(config: RunConfig, merged: Merged, notes: dict[str, st
                                 "set train.loss_chunking=auto (or false), or call dstrain.models.chunked_loss."
                                 "chunked_cross_entropy(hidden, head.weight, labels) in your model's forward"))
         return
-    if chosen is True and config.train.sequence_parallel > 1:
-        # The sequence-parallel loss sums each rank's share of the tokens over its group; the chunked loss
-        # returns a mean of its own and is not wired into that sum yet.
-        problems.append(Problem("the chunked loss does not run under sequence parallelism yet (its loss sums "
-                                "each rank's tokens over the group from the whole logits)",
-                                f"{merged.where('train.loss_chunking')} / {merged.where('train.sequence_parallel')}",
-                                "set train.loss_chunking=false (or auto), or train.sequence_parallel=1"))
-        return
     if config.train.precision == "fp16" and chosen is not False:
         # The chunked loss forms its gradients in the forward, before backward multiplies them by fp16's
         # loss scale: in fp16 the small ones would flush to zero where the reference keeps them.

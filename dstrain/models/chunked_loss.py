@@ -34,12 +34,13 @@ IGNORE_INDEX = -100
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk: int, ignore_index: int):
+    def forward(ctx, hidden, weight, bias, labels, chunk: int, ignore_index: int, reduction: str):
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         rows = hidden.shape[0]
         ignored = labels == ignore_index
         # The mean's denominator, a device tensor (no host sync); 0 real tokens gives nan, as the reference.
-        count = (~ignored).sum().to(torch.float32)
+        # "sum" (sequence parallelism adds its ranks' sums before dividing): 1.
+        count = ((~ignored).sum() if reduction == "mean" else torch.ones((), device=hidden.device)).to(torch.float32)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
@@ -83,22 +84,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                                "per forward (no retain_graph)")
         grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.grads)
         ctx.grads = None
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           bias: torch.Tensor | None = None, chunk: int = 1024,
-                          ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Mean cross-entropy of `F.linear(hidden, weight, bias)` against `labels` over the tokens whose label
-    is not `ignore_index`, `chunk` tokens at a time. hidden [..., d], weight [V, d], labels [...] (the
-    same leading shape); returns an fp32 scalar (see the module docstring)."""
+                          ignore_index: int = IGNORE_INDEX, reduction: str = "mean") -> torch.Tensor:
+    """Mean (or, with reduction "sum", the sum of the) cross-entropy of `F.linear(hidden, weight, bias)`
+    against `labels` over the tokens whose label is not `ignore_index`, `chunk` tokens at a time. hidden
+    [..., d], weight [V, d], labels [...] (the same leading shape); returns an fp32 scalar (see the module
+    docstring)."""
     if chunk < 1:
         raise ValueError(f"chunk must be positive, got {chunk}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     if labels.shape[0] != hidden.shape[0]:
         raise ValueError(f"{labels.shape[0]} labels for {hidden.shape[0]} hidden states")
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, chunk, ignore_index)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, chunk, ignore_index, reduction)
 
 
 def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -133,9 +137,9 @@ class LMHeadLoss(nn.Module):
     def head(self) -> nn.Linear:
         return self._head[0]
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         head = self.head
-        return chunked_cross_entropy(hidden, head.weight, labels, head.bias, self.chunk)
+        return chunked_cross_entropy(hidden, head.weight, labels, head.bias, self.chunk, reduction=reduction)
 
     def extra_repr(self) -> str:
         return f"chunk={self.chunk}"

@@ -139,8 +139,11 @@ class CausalLM(nn.Module):
         import torch.distributed as dist
         labels = batch["shift_labels"]
         inputs = {key: value for key, value in batch.items() if key != "shift_labels"}
-        logits = self.model(**inputs, use_cache=False).logits
-        local = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        if self.lm_loss is not None:  # train.loss_chunking: this rank's share of the logits, chunk by chunk
+            local = self.lm_loss(self._body[0](**inputs, use_cache=False)[0], labels, reduction="sum")
+        else:
+            logits = self.model(**inputs, use_cache=False).logits
+            local = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
         totals = torch.stack([local.detach(), (labels != -100).sum().to(local.dtype)])
         dist.all_reduce(totals, group=self.sequence_group)
         group_sum, tokens = totals[0], totals[1]
