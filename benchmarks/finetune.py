@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from run_record import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -160,16 +161,6 @@ def load_rows(model_dir: Path, gpus: int) -> list[dict]:
             for r in measure(model_dir, gpus, ["stage3", "stage2"], accelerator)]
 
 
-def versions() -> dict:
-    import importlib.metadata as md
-    out = {}
-    for package in ("torch", "deepspeed", "transformers", "peft", "lightning", "dstrain"):
-        try:
-            out[package] = md.version(package)
-        except md.PackageNotFoundError:
-            out[package] = None
-    return out
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,13 +218,7 @@ def main() -> None:
                   if "max_rank_peak_rss_gib" in row else "")
         print(f"{row['runner']:14} {row['gpus']:>4} {speed:>10} {ratio:>12} {memory:>26}")
     if args.json:
-        import torch
-        args.json.write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "versions": versions(), "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-            indent=2) + "\n")
-        print(f"written to {args.json}")
+        write_json(args.json, vars(args), rows)
 
 
 if __name__ == "__main__":

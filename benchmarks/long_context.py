@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from run_record import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -110,16 +111,6 @@ def longest(model_dir: Path, gpus: int, sp: int, args, keep) -> dict:
             "peak_memory_gib": best.get("peak_memory_gib") if best else None, "status": "max"}
 
 
-def versions() -> dict:
-    import importlib.metadata as md
-    out = {}
-    for package in ("torch", "deepspeed", "transformers", "flash-attn", "dstrain"):
-        try:
-            out[package] = md.version(package)
-        except md.PackageNotFoundError:
-            out[package] = None
-    return out
-
 
 def describe(row: dict) -> str:
     layout = f"SP {row['sequence_parallel']}" if row["sequence_parallel"] > 1 else "DP"
@@ -179,13 +170,7 @@ def main() -> None:
         if not args.no_max:
             keep(longest(model_dir, gpus, sp, args, lambda row: rows.append(row)))
     if args.json:
-        import torch
-        args.json.write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "versions": versions(), "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-            indent=2) + "\n")
-        print(f"written to {args.json}")
+        write_json(args.json, vars(args), rows)
 
 
 if __name__ == "__main__":
