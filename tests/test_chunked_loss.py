@@ -9,6 +9,7 @@ in fp32 and there in bf16 matrix products)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dstrain.models.chunked_loss import LMHeadLoss, chunked_cross_entropy, reference_cross_entropy
 
@@ -148,20 +149,13 @@ def test_autocast_over_fp32_weights_matches_the_reference_under_autocast():
 
 
 def test_the_sum_reduction_is_the_references_sum_and_zero_where_every_label_is_ignored():
-    from dstrain.models.chunked_loss import chunked_cross_entropy
-    g = torch.Generator().manual_seed(7)
-    hidden = torch.randn(30, 16, generator=g, requires_grad=True)
-    weight = torch.randn(50, 16, generator=g, requires_grad=True)
-    labels = torch.randint(0, 50, (30,), generator=g)
-    labels[:7] = -100
-    ours = chunked_cross_entropy(hidden, weight, labels, chunk=8, reduction="sum")
-    ours.backward()
-    mine = (hidden.grad.clone(), weight.grad.clone())
-    hidden.grad = weight.grad = None
-    reference = torch.nn.functional.cross_entropy((hidden @ weight.t()).float(), labels, reduction="sum")
-    reference.backward()
-    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=0)
-    torch.testing.assert_close(mine[0], hidden.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(mine[1], weight.grad, rtol=1e-5, atol=1e-6)
+    hidden, weight, b, labels = _case(rows=30, vocab=50, ignore=range(7))
+    summed = lambda h, w, y, bias=None: torch.nn.functional.cross_entropy(  # noqa: E731
+        F.linear(h, w, bias).float(), y, reduction="sum")
+    want, want_grads = _loss_and_grads(summed, hidden, weight, b, labels)
+    got, grads = _loss_and_grads(chunked_cross_entropy, hidden, weight, b, labels, chunk=8, reduction="sum")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for g, w in zip(grads, want_grads):
+        _close(g, w, 1e-5)
     none = chunked_cross_entropy(hidden, weight, torch.full((30,), -100), chunk=8, reduction="sum")
     assert none.item() == 0.0

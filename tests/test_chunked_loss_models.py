@@ -16,22 +16,23 @@ pytest.importorskip("transformers")
 VOCAB = 300  # not a multiple of the chunk
 
 
-def _qwen2(tied: bool, vocab: int = VOCAB):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def _tiny(config_class, **settings):
+    """A two-layer model of the given transformers config class, its weights seeded."""
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tied, attn_implementation="sdpa")
+    config = config_class(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", **settings)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _qwen2(tied: bool, vocab: int = VOCAB):
+    from transformers import Qwen2Config
+    return _tiny(Qwen2Config, vocab_size=vocab, tie_word_embeddings=tied)
 
 
 def _llama():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    from transformers import LlamaConfig
+    return _tiny(LlamaConfig, vocab_size=VOCAB, tie_word_embeddings=False)
 
 
 def _gpt2():
