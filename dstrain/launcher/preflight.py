@@ -110,9 +110,8 @@ def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
 
 
 def _decide_loss_chunking(resolved: ResolvedConfig, chunked: bool, note: str | None, why: str | None) -> None:
-    """train.loss_chunking as the model built on the meta device took it ("auto" on an hf: model becomes
-    true or false in the config the ranks get; an architecture whose forward dstrain cannot split keeps
-    its own loss, with a note)."""
+    """train.loss_chunking as the model built on the meta device took it: true on an hf: model whose forward
+    dstrain cannot split becomes false in the config the ranks get (it keeps its own loss, with a note)."""
     if note:
         resolved.warnings.append(note)
     train = resolved.config.train
