@@ -402,6 +402,28 @@ def test_zero3_fetches_each_transformer_block_of_an_hf_model_whole(llama_dir, mo
         assert "LlamaDecoderLayer" in resolved.sources["deepspeed.zero_optimization.leaf_module"]
 
 
+@pytest.mark.parametrize("world, sets, whole", [
+    (1, [], True),
+    (2, [], True),  # a tiny model: under the size up to which several GPUs keep layers whole
+    (1, ["deepspeed.zero_optimization.stage3_param_persistence_threshold=5000"], False),  # the user chose
+    (1, ["deepspeed.zero_optimization.offload_optimizer.device=cpu"], False),  # offload: not measured
+])
+def test_zero3_on_gpus_keeps_each_decoder_layer_of_an_hf_model_whole(llama_dir, world, sets, whole):
+    import transformers
+
+    from dstrain.config.resolve import resolve
+    from dstrain.launcher.preflight import check_runtime
+    resolved = resolve("stage3", None, [f"model.name=hf:{llama_dir}", "data.tokenizer=byte", "data.seq_len=16", *sets],
+                       world_size=world, accelerator="cuda", env={})
+    check_runtime(resolved)
+    zero = resolved.ds_config["zero_optimization"]
+    largest = max(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(llama_dir).model.layers[0].parameters())
+    assert (zero["stage3_param_persistence_threshold"] == largest) is whole
+    assert (zero.get("memory_efficient_linear") is False) is whole
+    source = resolved.sources["deepspeed.zero_optimization.stage3_param_persistence_threshold"]
+    assert ("each decoder layer stays whole" in source) is whole
+
+
 def test_the_named_chat_template_a_run_trains_in_goes_with_its_exports_so_generate_chats_in_it(tmp_path):
     from dstrain.data.templates import TEMPLATES
     model_dir = save_tiny_llama(tmp_path / "llama")

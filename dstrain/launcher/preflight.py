@@ -9,11 +9,15 @@ so a typo costs seconds, not a GPU allocation.
 from __future__ import annotations
 
 import shlex
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from dstrain.config.resolve import ResolvedConfig
 from dstrain.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from dstrain.models import ModelFacts
 
 
 def _fit_nvme_swap_buffer(resolved: ResolvedConfig, largest: int) -> None:
@@ -106,6 +110,7 @@ def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
     check_trackers(resolved)
     _fit_nvme_swap_buffer(resolved, facts.largest)
     _fetch_blocks_whole(resolved, facts.block_class, frozen=facts.trainable < facts.params)
+    _keep_blocks_whole(resolved, facts)
     return facts.params, facts.trainable
 
 
@@ -136,6 +141,39 @@ def _fetch_blocks_whole(resolved: ResolvedConfig, block_class: str | None, froze
     zero["leaf_module"] = {"classes": [*DEFAULT_LEAF_MODULE_CLASSES, block_class]}
     resolved.sources["deepspeed.zero_optimization.leaf_module"] = \
         f"dstrain default for hf: models at stage 3: a {block_class.rsplit('.', 1)[-1]} is one ZeRO-3 fetch"
+
+
+def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> None:
+    """ZeRO-3 on GPUs without offload, an hf: model whose decoder layers are leaf modules (above): keep
+    each layer's parameters whole on every rank (persistence threshold = the layer's largest weight) and
+    torch's linear, as dstrain/config/speed_defaults.py does for the built-in GPT: DeepSpeed's per-layer
+    fetch and release in Python then stop pacing the step, and dstrain's ZeRO-3 step removes the layers'
+    hooks (speedups/zero3_unhook.py). Gradients and optimizer states stay sharded; every GPU holds the
+    layers' 16-bit weights. On one GPU at any size (one rank's shard is the whole model anyway), on several
+    up to SMALL_GPT_PARAMS parameters. Only where the preset's values stand (the user set none of the keys)."""
+    from dstrain.config.speed_defaults import SMALL_GPT_PARAMS, ZERO
+    zero = resolved.ds_config.get("zero_optimization")
+    if resolved.accelerator != "cuda" or not facts.block_largest or not isinstance(zero, dict) or zero.get("stage") != 3:
+        return
+    leaf = zero.get("leaf_module")
+    if (not isinstance(leaf, dict) or facts.block_class not in leaf.get("classes", [])
+            or any((zero.get(part) or {}).get("device", "none") != "none" for part in ("offload_param", "offload_optimizer"))):
+        return
+    keys = ("stage3_param_persistence_threshold", "memory_efficient_linear", "stage3_model_persistence_threshold")
+    if any(not resolved.sources.get(f"{ZERO}.{key}", "default").startswith(("preset ", "default")) for key in keys):
+        return  # the user's choice stands
+    world = resolved.world_size
+    if world > 1 and facts.params > SMALL_GPT_PARAMS:
+        return
+    zero["stage3_param_persistence_threshold"] = facts.block_largest
+    zero["memory_efficient_linear"] = False
+    train = resolved.config.train
+    width = 4 if train.precision == "fp32" or train.mixed_precision == "autocast" else 2
+    resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"] = (
+        "dstrain default for hf: models on one GPU: each decoder layer stays whole" if world == 1 else
+        f"dstrain default for hf: models under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each decoder layer stays whole "
+        f"on every rank ({width * facts.block_params / 2**30:.1f} GiB of weights a GPU; set 100000 to shard them)")
+    resolved.sources[f"{ZERO}.memory_efficient_linear"] = "dstrain default with decoder layers kept whole"
 
 
 # train.log_to name -> (the module it needs, the pip extra that installs it); csv needs nothing.
