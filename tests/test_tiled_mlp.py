@@ -1,0 +1,210 @@
+"""Long-sequence memory switches: train.tiled_mlp (DeepSpeed's TiledMLP on each decoder layer's MLP of an
+hf: model) and train.activation_checkpointing_offload (DeepSpeed's checkpoint hidden-states offload).
+
+In process: a tiny Llama and a tiny Qwen2 give the same loss and every gradient with their MLPs tiled as
+without (fp32, abs 1e-5), with and without transformers' activation checkpointing. One rank through
+DeepSpeed (a subprocess, gloo): ZeRO-2 and ZeRO-3 (decoder layers as leaf modules, as dstrain makes
+them), one SGD step tiled against one untiled: loss, gradient norm and weights equal. Config: "auto"'s
+rule, and each refusal names its key (no launcher).
+"""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+
+import pytest
+import torch
+
+from hf_models import save_tiny_llama, save_tiny_qwen2
+from one_rank import run_one_rank
+
+from dstrain.config.resolve import resolve
+from dstrain.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+
+BUILDERS = {"llama": save_tiny_llama, "qwen2": save_tiny_qwen2}
+
+
+def problems(*sets: str, accelerator: str = "cpu", preset: str = "stage2") -> dict[str, str]:
+    with pytest.raises(UserError) as caught:
+        resolve(preset, None, list(sets), world_size=1, accelerator=accelerator)
+    return {p.where.split(": ")[-1]: p.message for p in caught.value.problems}
+
+
+# ------------------------------------------------------------------ the tiled MLP, in process
+
+
+def _loss_and_grads(model, inputs, targets):
+    from dstrain.models.hf import CausalLM
+    model.zero_grad(set_to_none=True)
+    loss = CausalLM(model)((inputs, targets))
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tiled_mlp_gives_the_same_loss_and_gradients(tmp_path, family, checkpointing):
+    from dstrain.models import tiled_mlp
+    directory = BUILDERS[family](tmp_path / family)
+    whole = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tiled = copy.deepcopy(whole)
+    assert tiled_mlp.apply(tiled, 3) == 2  # both decoder layers' MLPs
+    for model in (whole, tiled):
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 41))  # 40 positions: 3 shards of 14, 14 and 12
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    loss, grads = _loss_and_grads(whole, inputs, targets)
+    tiled_loss, tiled_grads = _loss_and_grads(tiled, inputs, targets)
+    assert tiled_loss == pytest.approx(loss, abs=1e-5)
+    assert sorted(grads) == sorted(tiled_grads)
+    for name in grads:
+        torch.testing.assert_close(tiled_grads[name], grads[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_only_mlp_classes_are_tiled_and_shards_follow_alsts_rule(tmp_path):
+    from dstrain.models import tiled_mlp
+    model = transformers.AutoModelForCausalLM.from_pretrained(save_tiny_llama(tmp_path / "llama"))
+    assert [type(m).__name__ for m in tiled_mlp.mlp_modules(model)] == ["LlamaMLP", "LlamaMLP"]
+    assert tiled_mlp.mlp_modules(torch.nn.Linear(2, 2)) == []
+    assert tiled_mlp.hidden_size(model) == 32
+    assert (tiled_mlp.auto_shards(32768, 2048), tiled_mlp.auto_shards(100, 2048)) == (16, 1)
+
+
+# ------------------------------------------------------------------ the tiled MLP through DeepSpeed, one rank
+
+ONE_STEP = """
+    import copy
+    from transformers import AutoModelForCausalLM
+    from deepspeed.utils import set_z3_leaf_modules
+    from dstrain.models import tiled_mlp
+    from dstrain.models.hf import CausalLM, decoder_blocks
+
+    def step(tile):
+        model = AutoModelForCausalLM.from_pretrained(DIRECTORY, dtype=torch.float32)
+        if tile:
+            tiled_mlp.apply(model, 3)
+        if STAGE == 3:  # each decoder layer one fetch, as dstrain makes it (preflight._fetch_blocks_whole)
+            set_z3_leaf_modules(model, [type(decoder_blocks(model)[0])])
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": STAGE}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+                  "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
+        engine, *_ = deepspeed.initialize(model=CausalLM(model), config=config)
+        torch.manual_seed(0)
+        tokens = torch.randint(0, 256, (2, 41))
+        loss = engine((tokens[:, :-1], tokens[:, 1:]))
+        engine.backward(loss)
+        with torch.no_grad():
+            engine.step()
+        norm = float(engine.get_global_grad_norm())
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=STAGE == 3):
+            weights = [p.detach().clone().flatten().tolist() for p in params]
+        return loss.item(), norm, weights
+
+    (loss, norm, weights), (tiled_loss, tiled_norm, tiled_weights) = step(False), step(True)
+    result({"loss": [loss, tiled_loss], "norm": [norm, tiled_norm],
+            "weights": max(max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(weights, tiled_weights))})
+"""
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tiled_mlp_trains_as_the_whole_mlp_under_zero(tmp_path, stage):
+    """ZeRO reduces each MLP gradient once, after the last shard (TiledMLP's ds_grad_is_ready), and at
+    ZeRO-3 the leaf decoder layer's weights stay gathered while its shards recompute in backward."""
+    directory = save_tiny_qwen2(tmp_path / "qwen2")
+    found = run_one_rank(f"DIRECTORY, STAGE = {str(directory)!r}, {stage}\n" + textwrap.dedent(ONE_STEP))
+    assert found["loss"][1] == pytest.approx(found["loss"][0], abs=1e-5)
+    assert found["norm"][1] == pytest.approx(found["norm"][0], rel=1e-5)
+    assert found["norm"][0] > 0
+    assert found["weights"] <= 1e-5
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_auto_is_on_from_8192_tokens_per_rank_on_cuda_only():
+    def decided(accelerator: str, *sets: str):
+        resolved = resolve("stage2", None, ["model.name=hf:some/model", "train.micro_batch_size=1", *sets],
+                           world_size=4, accelerator=accelerator)
+        return resolved.config.train.tiled_mlp, resolved.sources["train.tiled_mlp"]
+
+    assert decided("cuda", "data.seq_len=8192") == (True, "auto: on (8,192 tokens per rank per micro batch >= 8,192)")
+    on, why = decided("cuda", "data.seq_len=8192", "train.sequence_parallel=2")  # 4,096 a rank
+    assert not on and "4,096 tokens per rank per micro batch < 8,192" in why
+    assert decided("cuda", "data.seq_len=16384", "train.sequence_parallel=2")[0] is True
+    assert decided("cpu", "data.seq_len=16384") == (False, "auto: off (CPU ranks)")
+    assert decided("cuda", "data.seq_len=16384", "model.name=gpt")[0] is False
+    assert decided("cuda", "data.seq_len=16384", "train.tiled_mlp=false")[0] is False
+
+
+def test_tiled_mlp_true_is_refused_where_it_cannot_apply():
+    found = problems("train.tiled_mlp=true")
+    assert "'gpt' is not an \"hf:\" model" in found["train.tiled_mlp"]
+    found = problems("model.name=hf:some/model", "train.tiled_mlp=true", "model.lora={r: 4}", preset="stage3")
+    assert "frozen weights" in found["train.tiled_mlp"]
+    auto = resolve("stage3", None, ["model.name=hf:some/model", "model.lora={r: 4}", "data.seq_len=16384"],
+                   world_size=1, accelerator="cuda")
+    assert auto.config.train.tiled_mlp is False and "frozen weights" in auto.sources["train.tiled_mlp"]
+
+
+def test_a_model_without_mlp_modules_is_refused_for_true_and_off_for_auto(tmp_path):
+    from dstrain.launcher.preflight import _decide_tiled_mlp
+    sets = ["model.name=hf:some/model", "data.seq_len=16384"]
+    auto = resolve("stage2", None, sets, world_size=1, accelerator="cuda")
+    _decide_tiled_mlp(auto, mlps=0)
+    assert auto.config.train.tiled_mlp is False and "no decoder layer" in auto.sources["train.tiled_mlp"]
+    chosen = resolve("stage2", None, [*sets, "train.tiled_mlp=true"], world_size=1, accelerator="cuda")
+    with pytest.raises(UserError, match="train.tiled_mlp"):
+        _decide_tiled_mlp(chosen, mlps=0)
+    _decide_tiled_mlp(chosen, mlps=2)
+    assert chosen.config.train.tiled_mlp is True
+
+
+def test_the_model_check_counts_the_mlps_it_can_tile(tmp_path):
+    from dstrain.models import check_model
+    resolved = resolve("stage2", None, [f"model.name=hf:{save_tiny_llama(tmp_path / 'llama')}",
+                                        "data.tokenizer=byte"], world_size=1, accelerator="cpu")
+    assert check_model(resolved.config).mlps == 2
+
+
+def test_checkpoint_offload_is_refused_without_checkpointing_on_cpu_and_for_the_gpt():
+    found = problems("model.name=hf:some/model", "train.activation_checkpointing_offload=true")
+    message = found["train.activation_checkpointing_offload"]
+    assert "train.activation_checkpointing is false" in message or "CPU ranks" in message
+    with pytest.raises(UserError) as caught:
+        resolve("stage2", None, ["model.name=hf:some/model", "train.activation_checkpointing_offload=true"],
+                world_size=1, accelerator="cpu")
+    messages = [p.message for p in caught.value.problems]
+    assert any("train.activation_checkpointing is false" in m for m in messages)
+    assert any("on CPU ranks" in m for m in messages)
+    gpt = problems("train.activation_checkpointing=true", "train.activation_checkpointing_offload=true",
+                   accelerator="cuda")
+    assert "'gpt' is not an \"hf:\" model" in gpt["train.activation_checkpointing_offload"]
+    ok = resolve("stage2", None, ["model.name=hf:some/model", "train.activation_checkpointing=true",
+                                  "train.activation_checkpointing_offload=true"], world_size=1, accelerator="cuda")
+    assert ok.config.train.activation_checkpointing_offload is True
+
+
+def test_checkpoint_offload_changes_nothing_without_a_gpu(tmp_path):
+    """On the CPU accelerator DeepSpeed's manager offloads nothing (is_synchronized_device): the context the
+    loop enters is harmless there, which is why dstrain refuses the switch on CPU ranks rather than pretend."""
+    from types import SimpleNamespace
+
+    from dstrain.rank.runtime import activation_offload
+    model = transformers.AutoModelForCausalLM.from_pretrained(save_tiny_llama(tmp_path / "llama"))
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    train = SimpleNamespace(activation_checkpointing_offload=True)
+    context = activation_offload(SimpleNamespace(train=train))
+    tokens = torch.randint(0, 256, (1, 16))
+    manager = context()
+    with manager:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+    stats = manager.stats
+    assert stats.marked_tensors == 2 and stats.offloaded_tensors == 0  # each layer's input marked, none moved
