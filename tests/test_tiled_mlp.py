@@ -208,3 +208,57 @@ def test_checkpoint_offload_changes_nothing_without_a_gpu(tmp_path):
         model(input_ids=tokens, labels=tokens).loss.backward()
     stats = manager.stats
     assert stats.marked_tensors == 2 and stats.offloaded_tensors == 0  # each layer's input marked, none moved
+
+
+# ------------------------------------------------------------------ the estimate
+
+
+def test_the_estimate_counts_one_mlp_shard_and_offloaded_checkpoints():
+    from dstrain.tools.estimate import memory as E
+    work = E.Workload(params=10**9, largest_layer_params=10**8, n_layer=16, d_model=2048, n_head=16,
+                      seq_len=32768, micro_batch=1, activation_checkpointing=False, cpu_checkpointing=False,
+                      precision="bf16", vocab_size=32000, sequence_parallel=2)
+    hw = E.Hardware(gpus_per_node=2, nodes=1, gpu_mem_bytes=80 * 2**30, cpu_mem_bytes=512 * 2**30)
+
+    def activations(**changes):
+        gpu, host = E._activations(E.replace(work, **changes), 2)
+        return gpu, host
+
+    local, h, b = 16384, 2048, 1
+    whole, _ = activations()
+    tiled, _ = activations(tiled_mlp=True)  # 8 shards of 2,048 tokens: ceil(16384 / 2048)
+    assert whole["all_blocks"] - tiled["all_blocks"] == 16 * 17 * local * b * h
+    assert tiled["tiled_mlp_shard"] == 19 * 2048 * b * h
+    assert activations(tiled_mlp=True, tiled_mlp_shards=4)[0]["tiled_mlp_shard"] == 19 * 4096 * b * h
+    on_gpu, _ = activations(activation_checkpointing=True)
+    offloaded, host = activations(activation_checkpointing=True, cpu_checkpointing=True)
+    assert "checkpointed_block_inputs" not in offloaded
+    assert host["checkpointed_block_inputs"] == on_gpu["checkpointed_block_inputs"] == 16 * 2 * local * b * h
+    stage3 = E.estimate_one("stage3", E.Placement(stage=3), E.replace(work, tiled_mlp=True), hw)
+    assert stage3.activation_bytes_per_gpu == sum(tiled.values())
+
+
+def test_the_planner_takes_both_switches_from_the_config():
+    from dstrain.tools.estimate.planner import workload
+    resolved = resolve("stage2", None, ["model.name=hf:some/model", "data.seq_len=16384",
+                                        "train.activation_checkpointing=true",
+                                        "train.activation_checkpointing_offload=true", "train.tiled_mlp_shards=4"],
+                       world_size=1, accelerator="cuda")
+    work = workload(resolved.config, resolved.ds_config, 10**9, 10**8, True)
+    assert (work.tiled_mlp, work.tiled_mlp_shards, work.cpu_checkpointing) == (True, 4, True)
+
+
+def test_the_plan_needs_fewer_ranks_with_the_tiled_mlp(tmp_path):
+    """The tiny Llama at 16M tokens on 4 x 80 GiB: stage1 over 2 sequence-parallel ranks with the whole MLP
+    (tests/test_sequence_parallel.py), on one rank with it tiled (auto: on, CUDA and >= 8,192 tokens)."""
+    from dstrain.tools.estimate.planner import make_plan
+    model_dir = save_tiny_llama(tmp_path / "llama")
+
+    def plan(tiled: str):
+        sets = [f"model.name=hf:{model_dir}", "data.seq_len=16777216", "train.micro_batch_size=1",
+                f"train.tiled_mlp={tiled}"]
+        found = make_plan(None, sets, None, 4, 1, 80, 512, "cuda")
+        return found.recommended, found.sequence_parallel
+
+    assert plan("false") == ("stage1", 2)
+    assert plan("auto") == ("stage1", 1)
