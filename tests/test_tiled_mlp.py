@@ -5,11 +5,13 @@ In process: a tiny Llama and a tiny Qwen2 give the same loss and every gradient 
 without (fp32, abs 1e-5), with and without transformers' activation checkpointing. One rank through
 DeepSpeed (a subprocess, gloo): ZeRO-2 and ZeRO-3 (decoder layers as leaf modules, as dstrain makes
 them), one SGD step tiled against one untiled: loss, gradient norm and weights equal. Config: "auto"'s
-rule, and each refusal names its key (no launcher).
+rule, and each refusal names its key (no launcher). The estimate's terms. On a GPU only (skipped without
+CUDA): the checkpoint offload moves layer inputs to the host and keeps every gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import textwrap
 
@@ -262,3 +264,37 @@ def test_the_plan_needs_fewer_ranks_with_the_tiled_mlp(tmp_path):
 
     assert plan("false") == ("stage1", 2)
     assert plan("auto") == ("stage1", 1)
+
+
+# ------------------------------------------------------------------ on a GPU (skipped without CUDA)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="checkpoint offload moves GPU activations: needs CUDA")
+def test_checkpoint_offload_moves_layer_inputs_and_keeps_the_gradients(tmp_path):
+    """A tiny Llama on GPU 0 with transformers' checkpointing: inside the manager the layers' inputs go to
+    host memory (all but the newest), and the loss and every gradient equal those without it."""
+    from types import SimpleNamespace
+
+    from dstrain.rank.runtime import activation_offload
+    directory = save_tiny_llama(tmp_path / "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda()
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tokens = torch.randint(0, 256, (2, 64), device="cuda")
+
+    def loss_and_grads(context):
+        model.zero_grad(set_to_none=True)
+        with context:
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+        torch.cuda.synchronize()
+        return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    loss, grads = loss_and_grads(contextlib.nullcontext())
+    manager = activation_offload(SimpleNamespace(train=SimpleNamespace(activation_checkpointing_offload=True)))()
+    offloaded_loss, offloaded_grads = loss_and_grads(manager)
+    stats = manager.stats  # 2 layers: the first's input offloaded, the newest kept on the GPU
+    assert stats.offloaded_tensors >= 1 and stats.restored_tensors == stats.offloaded_tensors
+    assert offloaded_loss == pytest.approx(loss, abs=1e-6)
+    for name in grads:
+        torch.testing.assert_close(offloaded_grads[name], grads[name], rtol=0, atol=1e-6, msg=name)
