@@ -155,6 +155,15 @@ def test_tiled_mlp_true_is_refused_where_it_cannot_apply():
     assert auto.config.train.tiled_mlp is False and "frozen weights" in auto.sources["train.tiled_mlp"]
 
 
+def test_config_command_exits_2_naming_the_keys():
+    from launcher import dstrain
+    result = dstrain("config", "--preset", "stage2", "--accelerator", "cpu", "--set", "train.tiled_mlp=true",
+                     "--set", "train.activation_checkpointing_offload=true")
+    assert result.returncode == 2
+    assert "train.tiled_mlp" in result.stderr + result.stdout
+    assert "train.activation_checkpointing_offload" in result.stderr + result.stdout
+
+
 def test_a_model_without_mlp_modules_is_refused_for_true_and_off_for_auto(tmp_path):
     from dstrain.launcher.preflight import _decide_tiled_mlp
     sets = ["model.name=hf:some/model", "data.seq_len=16384"]
