@@ -15,7 +15,7 @@ backward, so ZeRO 1-3 reduce each gradient once, whole. At ZeRO-3 dstrain makes 
 module (one fetch: dstrain.launcher.preflight._fetch_blocks_whole), so the MLP's weights are gathered once
 for all shards in forward and in backward; where layers are not leaf modules (frozen weights: LoRA) each
 shard would gather them again and ranks would have to agree on the shard count, so that is refused
-(dstrain.config.speed_defaults.resolve_tiled_mlp).
+(dstrain.config.long_context.resolve_tiled_mlp).
 """
 
 from __future__ import annotations
