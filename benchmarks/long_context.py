@@ -5,6 +5,8 @@
     python3 benchmarks/long_context.py --gpus 4 --seq-lens 32768,131072 --no-max
     python3 benchmarks/long_context.py --json benchmarks/results/2026-11-27-h100-long-context.json
     python3 benchmarks/long_context.py --model-dir /tmp/llama-1b --gpus 4 --seq-lens "" --max-from 65536  # max only
+    python3 benchmarks/long_context.py --model-dir /tmp/llama-1b --gpus 1 --seq-lens 32768 \
+        --variants off,tiled,offload,tiled+offload                     # the memory switches, one at a time
     python3 benchmarks/long_context.py --accelerator cpu --tiny --gpus 2 --seq-lens 64 --max-from 64 --max-to 256 \\
         --steps 3 --log-every 1 --warmup 1                              # CPU smoke test (minutes)
 
@@ -19,6 +21,10 @@ Measured per run, from metrics.jsonl: tokens/s (median over the log intervals af
 TFLOP/s per GPU and MFU (dstrain's: 6 x parameters + 12 x layers x width x seq_len FLOPs per token,
 against the GPU's dense bf16 peak; recomputation not counted), and the peak GPU memory of rank 0.
 The table is printed as rows come; --json writes every row, the date, the GPU and the versions.
+
+--variants repeats every layout with the long-sequence memory switches (docs/long-context.md): "default"
+(dstrain's own choices: train.tiled_mlp auto), "off" (tiled MLP off), "tiled" (train.tiled_mlp=true),
+"offload" (train.activation_checkpointing_offload=true, tiled MLP off), "tiled+offload" (both).
 """
 
 from __future__ import annotations
@@ -37,6 +43,15 @@ from run_record import write_json
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+
+# --variants: the long-sequence memory switches each run gets
+VARIANTS = {
+    "default": [],
+    "off": ["train.tiled_mlp=false"],
+    "tiled": ["train.tiled_mlp=true"],
+    "offload": ["train.tiled_mlp=false", "train.activation_checkpointing_offload=true"],
+    "tiled+offload": ["train.tiled_mlp=true", "train.activation_checkpointing_offload=true"],
+}
 
 # Out of memory, as the rank reports it: torch on the GPU, or the kernel's OOM killer on CPU ranks
 OOM_SIGNS = ("CUDA out of memory", "OutOfMemoryError", "out of memory", "exit -9", "signal 9", "SIGKILL")
@@ -58,9 +73,9 @@ def make_tiny(directory: Path) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
 
 
-def run_row(model_dir: Path, gpus: int, sp: int, seq_len: int, args) -> dict:
+def run_row(model_dir: Path, gpus: int, sp: int, seq_len: int, args, variant: str = "default") -> dict:
     """One `dstrain run`; the row's figures, or its status ("oom", "failed") and the output's end."""
-    row = {"gpus": gpus, "sequence_parallel": sp, "seq_len": seq_len}
+    row = {"gpus": gpus, "sequence_parallel": sp, "seq_len": seq_len, "variant": variant}
     with tempfile.TemporaryDirectory() as scratch:
         run_dir = Path(scratch) / "run"
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]  # synthetic ids below it
@@ -69,7 +84,7 @@ def run_row(model_dir: Path, gpus: int, sp: int, seq_len: int, args) -> dict:
                 "train.micro_batch_size=1", f"train.max_steps={args.steps}", f"train.log_every={args.log_every}",
                 "train.save_checkpoints=false", "train.eval_every=1000000", "train.eval_batches=1",
                 "train.warmup_steps=2", "train.lr=1e-5", "train.activation_checkpointing=true",
-                f"train.sequence_parallel={sp}", *(args.set or [])]
+                f"train.sequence_parallel={sp}", *VARIANTS[variant], *(args.set or [])]
         command = [sys.executable, "-m", "dstrain.cli", "run", "--preset", args.preset, "--gpus", str(gpus),
                    "--accelerator", args.accelerator, "--run-dir", str(run_dir)]
         for item in sets:
@@ -95,18 +110,18 @@ def run_row(model_dir: Path, gpus: int, sp: int, seq_len: int, args) -> dict:
     return row
 
 
-def longest(model_dir: Path, gpus: int, sp: int, args, keep) -> dict:
+def longest(model_dir: Path, gpus: int, sp: int, args, keep, variant: str = "default") -> dict:
     """The longest power-of-two multiple of --max-from up to --max-to that trains, with its run's figures."""
     best = None
     seq_len = args.max_from
     while seq_len <= args.max_to:
-        row = run_row(model_dir, gpus, sp, seq_len, args)
+        row = run_row(model_dir, gpus, sp, seq_len, args, variant)
         keep(dict(row, search="max"))
         if row["status"] != "ok":
             break
         best = row
         seq_len *= 2
-    return {"gpus": gpus, "sequence_parallel": sp, "max_seq_len": best["seq_len"] if best else None,
+    return {"gpus": gpus, "sequence_parallel": sp, "variant": variant, "max_seq_len": best["seq_len"] if best else None,
             "tokens_per_s": best.get("tokens_per_s") if best else None, "mfu": best.get("mfu") if best else None,
             "peak_memory_gib": best.get("peak_memory_gib") if best else None, "status": "max"}
 
@@ -122,7 +137,7 @@ def describe(row: dict) -> str:
     mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else ""
     memory = f"{row['peak_memory_gib']:.1f}" if row.get("peak_memory_gib") is not None else ""
     status = "" if row.get("status") in ("ok", "max") else row.get("status", "")
-    return f"{row['gpus']:>4} {layout:>6} {length:>12} {speed:>10} {mfu:>6} {memory:>9} {status:>7}"
+    return f"{row['gpus']:>4} {layout:>6} {row.get('variant', 'default'):>13} {length:>12} {speed:>10} {mfu:>6} {memory:>9} {status:>7}"
 
 
 def main() -> None:
@@ -142,6 +157,8 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     parser.add_argument("--set", action="append", help="extra dstrain override for every run")
+    parser.add_argument("--variants", default="default",
+                        help=f"comma-separated memory-switch variants run on every layout: {', '.join(VARIANTS)}")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -155,20 +172,24 @@ def main() -> None:
         else:
             from hf_load_memory import make
             make(model_dir, None)
-    layouts = [(g, sp) for g in counts for sp in ((1, g) if g > 1 else (1,))]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown --variants {', '.join(unknown)}: use {', '.join(VARIANTS)}")
+    layouts = [(g, sp, v) for g in counts for sp in ((1, g) if g > 1 else (1,)) for v in variants]
     rows: list[dict] = []
-    print(f"{'GPUs':>4} {'layout':>6} {'seq_len':>12} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'status':>7}",
+    print(f"{'GPUs':>4} {'layout':>6} {'variant':>13} {'seq_len':>12} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'status':>7}",
           flush=True)
 
     def keep(row: dict) -> None:  # printed as it comes: a later run that crashes loses nothing
         rows.append(row)
         print(describe(row), flush=True)
 
-    for gpus, sp in layouts:
+    for gpus, sp, variant in layouts:
         for seq_len in (int(s) for s in args.seq_lens.split(",") if s):
-            keep(run_row(model_dir, gpus, sp, seq_len, args))
+            keep(run_row(model_dir, gpus, sp, seq_len, args, variant))
         if not args.no_max:
-            keep(longest(model_dir, gpus, sp, args, lambda row: rows.append(row)))
+            keep(longest(model_dir, gpus, sp, args, lambda row: rows.append(row), variant))
     if args.json:
         write_json(args.json, vars(args), rows)
 

@@ -155,7 +155,8 @@ def test_estimate_splits_sequences_over_the_fewest_ranks_that_let_a_faster_prese
     model_dir = save_tiny_llama(tmp_path / "llama")  # 4 heads, 2 key-value heads: 2 or 4 ranks split it
 
     def plan(seq_len: int, gpus: int):
-        sets = [f"model.name=hf:{model_dir}", f"data.seq_len={seq_len}", "train.micro_batch_size=1"]
+        # tiled MLP off: its smaller activations would let these lengths fit with fewer ranks (tests/test_tiled_mlp.py)
+        sets = [f"model.name=hf:{model_dir}", f"data.seq_len={seq_len}", "train.micro_batch_size=1", "train.tiled_mlp=false"]
         return make_plan(None, sets, None, gpus, 1, 80, 512, "cuda")
 
     long = plan(2**24, 4)  # 16M tokens: stage1's activations and logits need ~100 GiB on one GPU, half on two
@@ -236,8 +237,8 @@ def test_llama_stage2_two_groups_of_two_ranks_train_as_two_data_parallel_ranks_d
 def test_qwen2_stage3_split_padded_rows_train_resume_evaluate_and_export_as_without_it(tmp_path):
     """ZeRO-3 (whose reduce-scatter averages over every rank), Qwen2 (biases, a tied head), padded
     prompt/response rows (loss-taking tokens uneven over the shares), and the split run's LM loss in chunks
-    (train.loss_chunking: each rank's share summed chunk by chunk) against the whole logits without the
-    split. Then: a resume from step 1 repeats step 2 exactly; `dstrain eval` gives the run's own eval loss;
+    (train.loss_chunking: each rank's share summed chunk by chunk) and its MLPs tiled (train.tiled_mlp, 3
+    shards, the decoder layers ZeRO-3 leaf modules) against the whole logits and MLPs without the split. Then: a resume from step 1 repeats step 2 exactly; `dstrain eval` gives the run's own eval loss;
     the Hugging Face export loads."""
     model_dir = save_tiny_qwen2(tmp_path / "qwen2")
     data = tmp_path / "rows.jsonl"
@@ -247,10 +248,12 @@ def test_qwen2_stage3_split_padded_rows_train_resume_evaluate_and_export_as_with
             "data.packing=false", "train.micro_batch_size=2", "train.max_steps=2", "train.log_every=1",
             "train.eval_every=2", "train.save_every=1", "train.keep_last=3", "train.export_final=true", *SGD)
     split, whole = tmp_path / "split", tmp_path / "whole"
-    split_sets = (*sets, "train.sequence_parallel=2", "train.loss_chunking=true", "train.loss_chunk_tokens=40")
+    split_sets = (*sets, "train.sequence_parallel=2", "train.loss_chunking=true", "train.loss_chunk_tokens=40",
+                  "train.tiled_mlp=true", "train.tiled_mlp_shards=3")
     result = run(split, 2, "stage3", split_sets)
     assert_ok(result)
     assert "LM loss in chunks of 40 tokens" in result.stdout
+    assert "tiled MLP: 2 Qwen2MLP layers each run over 48 tokens per sample in 3 shards" in result.stdout
     assert_ok(run(whole, 1, "stage3", sets))
     assert_same_training(split, whole)
     uninterrupted = records(split)

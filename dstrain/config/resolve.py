@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from dstrain.config import autos, deepspeed_checks
 from dstrain.config import deepspeed_keys as dsk
 from dstrain.config.deepspeed_keys import AUTO
+from dstrain.config.long_context import check_checkpoint_offload, resolve_tiled_mlp
 from dstrain.config.layers import (DEFAULT, PRESET_RANK, Merged, Source, collect_layers, flatten, get_path, merge,
                                    set_path)
 from dstrain.config.schema import RunConfig
@@ -121,6 +122,8 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     _check_with_deepspeeds_models(rendered, merged, problems)
     resolve_compile(config, rendered, accelerator, notes)
     resolve_loss_chunking(config, merged, notes, problems)
+    resolve_tiled_mlp(config, rendered, merged, accelerator, notes, problems)
+    check_checkpoint_offload(config, merged, accelerator, problems)
     if config.train.activation_checkpointing == "auto":
         notes["train.activation_checkpointing"] = (
             "auto: each rank decides from its GPU's memory: off where dstrain's estimate of the run without it "

@@ -15,6 +15,8 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFl
 
 
 BUILTIN_TRACKERS = ("tensorboard", "wandb", "csv")  # train.log_to names besides a user's "module:Class"
+# train.tiled_mlp "auto" is on from this many tokens per rank per micro batch (on CUDA).
+TILED_MLP_MIN_TOKENS = 8192
 # From this vocabulary size the estimate says what micro batch train.loss_chunking lets fit (and a model's
 # own "auto" chunking starts: CausalLM(chunking="auto"), GPT(loss_chunk=...)); smaller logits cost little.
 LOSS_CHUNKING_MIN_VOCAB = 32_768
@@ -253,6 +255,24 @@ class TrainConfig(Section):
     """Tokens per chunk of train.loss_chunking: one chunk's logits (compute dtype, fp32 and the gradient:
     about 8-12 bytes x chunk x vocabulary, 1.9 GB at 1,024 x 151,936) exist at a time. Smaller saves
     memory, larger makes fewer, bigger matrix products."""
+    tiled_mlp: bool | Literal["auto"] = "auto"
+    """Run each decoder layer's MLP of an "hf:" model over the sequence in train.tiled_mlp_shards shards,
+    recomputing each shard in backward (DeepSpeed's TiledMLP, from ALST): one shard's MLP intermediate
+    activations are live instead of the whole sequence's, for one more MLP forward per step. "auto": on
+    for an "hf:" model on CUDA when a rank's micro batch holds at least TILED_MLP_MIN_TOKENS (8,192) tokens
+    (micro_batch_size x seq_len / sequence_parallel), off otherwise (shorter sequences: the activations
+    are small and the recompute costs time; CPU ranks). true: always (an error for other models, or at
+    ZeRO-3 with frozen weights such as LoRA). See docs/long-context.md."""
+    tiled_mlp_shards: PositiveInt | None = None
+    """Shards of train.tiled_mlp. Unset: ceil(tokens per rank per sample / hidden_size), ALST's rule (each
+    shard's intermediate activations about as large as the layer's hidden states)."""
+    activation_checkpointing_offload: bool = False
+    """With train.activation_checkpointing on an "hf:" model: keep each checkpointed layer's input (the
+    hidden states, micro x seq_len / sequence_parallel x hidden per layer) in pinned host memory instead
+    of on the GPU, copied out and back on a side stream (DeepSpeed's
+    get_checkpoint_hidden_states_offloading_ctx_manager around each micro batch's forward and backward).
+    Helps where those inputs dominate: many layers at long sequences. CUDA only (an error on CPU ranks, where
+    there is nothing to offload to); an error without activation checkpointing or for other models."""
     seed: int = 1234
     """Seed for model init, data order and dropout; the same seed gives the same run."""
     log_every: PositiveInt = 10

@@ -84,5 +84,6 @@ def plan_lines(config, ds_config: dict, world: int, accelerator: str, preset: st
     if param_count is not None:
         trains = "" if trainable is None else f", {trainable:,} trainable ({100 * trainable / max(param_count, 1):.2f}%)"
         chunked = f"; LM loss in chunks of {t.loss_chunk_tokens:,} tokens" if t.loss_chunking is True else ""
-        lines.append(f"model: {config.model.name}, {param_count:,} parameters{trains}{chunked}")
+        tiled = "; MLPs tiled along the sequence (train.tiled_mlp)" if t.tiled_mlp is True else ""
+        lines.append(f"model: {config.model.name}, {param_count:,} parameters{trains}{chunked}{tiled}")
     return lines

@@ -106,6 +106,7 @@ def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
         raise UserError.single(f"building the model failed: {type(err).__name__}: {err}", "model",
                                "check model.name and model.kwargs")
     _decide_loss_chunking(resolved, facts.loss_chunking, facts.loss_note, facts.loss_why)
+    _decide_tiled_mlp(resolved, facts.mlps)
     _check_data(resolved)
     check_trackers(resolved)
     _fit_nvme_swap_buffer(resolved, facts.largest)
@@ -124,6 +125,22 @@ def _decide_loss_chunking(resolved: ResolvedConfig, chunked: bool, note: str | N
         was = train.loss_chunking
         resolved.config = resolved.config.model_copy(update={"train": train.model_copy(update={"loss_chunking": chunked})})
         resolved.sources["train.loss_chunking"] = f"{was}: {'on' if chunked else 'off'} for this model ({why})"
+
+
+def _decide_tiled_mlp(resolved: ResolvedConfig, mlps: int) -> None:
+    """train.tiled_mlp on a model whose decoder layers have no MLP dstrain can tile (dstrain.models.tiled_mlp:
+    an `mlp` of a *MLP class; mixture-of-experts blocks are not): "auto" turns off with a note, true is an error."""
+    train = resolved.config.train
+    if train.tiled_mlp is not True or mlps or not resolved.config.model.name.startswith("hf:"):
+        return
+    source = resolved.sources.get("train.tiled_mlp", "")
+    why = "no decoder layer of this model has an `mlp` module of an *MLP class (mixture-of-experts blocks are not tiled)"
+    if not source.startswith("auto"):
+        raise UserError.single(f"tiled MLP: {why}", _named(resolved, "train.tiled_mlp"),
+                               "set train.tiled_mlp=false (or auto)")
+    resolved.config = resolved.config.model_copy(update={"train": train.model_copy(update={"tiled_mlp": False})})
+    resolved.sources["train.tiled_mlp"] = f"auto: off for this model ({why})"
+    resolved.warnings.append(f"train.tiled_mlp: auto: off: {why}")
 
 
 def _fetch_blocks_whole(resolved: ResolvedConfig, block_class: str | None, frozen: bool) -> None:

@@ -93,6 +93,7 @@ class ModelFacts(NamedTuple):
     loss_chunking: bool = False  # the LM loss runs through the chunked head (train.loss_chunking decided)
     loss_note: str | None = None  # why an hf: model keeps its own loss although chunking was asked
     loss_why: str | None = None  # why an hf: model's loss is chunked or not (train.loss_chunking decided)
+    mlps: int = 0  # an hf: model's decoder-layer MLPs that train.tiled_mlp can tile
     block_largest: int = 0  # an hf: model's largest single parameter inside a decoder layer (0: none found)
     block_params: int = 0   # the parameters of all its decoder layers
 
@@ -110,7 +111,7 @@ def check_model(config: RunConfig) -> ModelFacts:
         setup.check_init_keys(config, model)
     setup.check_patterns(config, model)
     setup.apply_freezing(config, model)  # on the meta model: only to count what trains
-    block, block_largest, block_total = None, 0, 0
+    block, mlps, block_largest, block_total = None, 0, 0, 0
     if hf.is_hf(config.model.name):
         hf.check_vocab(config, model.model.config)  # peft's wrapper forwards .config
         sp = config.train.sequence_parallel
@@ -122,11 +123,13 @@ def check_model(config: RunConfig) -> ModelFacts:
         if Path(hf.source_of(config)).is_dir():  # a hub id is downloaded by the ranks, not here
             hf.weight_files(config)
         block = hf.block_class(model)
+        from dstrain.models.tiled_mlp import mlp_modules
+        mlps = len(mlp_modules(model))
         block_params = [p.numel() for b in hf.decoder_blocks(model) for p in b.parameters()]
         block_largest, block_total = max(block_params, default=0), sum(block_params)
     chunked = getattr(model, "lm_loss", None) is not None
     return ModelFacts(params, trainable_parameters(model), largest, block, chunked, getattr(model, "loss_note", None),
-                      getattr(model, "loss_why", None), block_largest, block_total)
+                      getattr(model, "loss_why", None), mlps, block_largest, block_total)
 
 
 def model_shape(model, config: RunConfig) -> dict[str, Any]:

@@ -13,6 +13,7 @@ the steps at every step that logs, evaluates or saves, before it does, and may r
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from dataclasses import dataclass, field
@@ -87,6 +88,9 @@ class LoopParts:
     guard: Guard
     evaluator: Evaluator
     checkpointer: Checkpointer
+    activations: Callable[[], Any] = contextlib.nullcontext
+    """The context each micro batch's forward and backward run in (train.activation_checkpointing_offload:
+    dstrain.rank.runtime.activation_offload)."""
 
     @classmethod
     def build(cls, engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler, device, metrics: MetricsLog,
@@ -99,7 +103,8 @@ class LoopParts:
         evaluator = Evaluator(engine, config, eval_sampler, device, metrics, restored.get("early_stop"))
         checkpointer = Checkpointer(engine, run_dir, config.train, lambda step: {
             **client_state(step), "health": health.client_state(), "early_stop": evaluator.early.client_state()})
-        return cls(train_sampler, device, metrics, guard, evaluator, checkpointer)
+        from dstrain.rank.runtime import activation_offload
+        return cls(train_sampler, device, metrics, guard, evaluator, checkpointer, activation_offload(config))
 
 
 @dataclass
@@ -147,7 +152,7 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
         lr = engine.optimizer.param_groups[0]["lr"]  # get_lr() warns before the first step
         data_step = guard.data_step(state.step)
         step_loss, fetch_s = _optimizer_step(engine, t, parts.train_sampler, data_step, state.step, layout,
-                                             parts.device)
+                                             parts.device, parts.activations)
         # a pure function of the sample indices: no collective needed, rank 0 counts
         real_tokens = (parts.train_sampler.real_tokens(data_step * t.global_batch_size, t.global_batch_size)
                        if rank == 0 else 0)
@@ -200,7 +205,8 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
     return state
 
 
-def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, layout: Layout, device):
+def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, layout: Layout, device,
+                    activations: Callable[[], Any] = contextlib.nullcontext):
     """One optimizer step over train.grad_accum_steps micro-batches: (the summed loss, a device tensor
     nothing waits for; host seconds spent building batches)."""
     step_loss = torch.zeros((), device=device)
@@ -211,10 +217,11 @@ def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, layout:
         batch = to_device(layout.share(rank_batch(train_sampler, data_step, micro_step, layout.data_rank,
                                                   layout.data_world, t.micro_batch_size, t.grad_accum_steps)), device)
         fetch_s += time.perf_counter() - fetch_start
-        heartbeat.beat("forward")
-        loss = engine(batch)
-        heartbeat.beat("backward")
-        engine.backward(loss)
+        with activations():  # spans forward and backward: what forward offloads, backward brings back
+            heartbeat.beat("forward")
+            loss = engine(batch)
+            heartbeat.beat("backward")
+            engine.backward(loss)
         heartbeat.beat("step")
         # Outside autograd: DeepSpeed 0.18's ZeRO-1/2 step all-gathers into views of a flat buffer, which
         # torch 2.13 refuses to write in place while grad mode is on (gloo); 0.19's step is the same either way.

@@ -3,11 +3,13 @@ activation checkpointing. Runs inside the ranks only."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import warnings
 from datetime import timedelta
+from typing import Any, Callable
 
 
 def init_rank(collective_timeout_s: float | None = None):
@@ -147,6 +149,35 @@ def checkpointing_wanted(config, ds_config: dict, model, device) -> tuple[bool, 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     hw = replace(hw, gpus_per_node=per_node, nodes=max(1, int(os.environ.get("WORLD_SIZE", "1")) // per_node))
     return checkpointing_decision(config, ds_config, total, largest, hw, model_shape(model, config))
+
+
+def apply_tiled_mlp(model, config) -> str | None:
+    """train.tiled_mlp: each decoder layer's MLP run in shards along the sequence (dstrain.models.tiled_mlp),
+    before DeepSpeed wraps the model. A line for rank 0 to print, or None where it is off."""
+    if config.train.tiled_mlp is not True:
+        return None
+    from dstrain.models import tiled_mlp
+    tokens = config.data.seq_len // config.train.sequence_parallel  # one sample's tokens on this rank
+    shards = config.train.tiled_mlp_shards or tiled_mlp.auto_shards(tokens, tiled_mlp.hidden_size(model.model) or tokens)
+    mlps = tiled_mlp.mlp_modules(model)
+    tiled_mlp.apply(model, shards)
+    how = "train.tiled_mlp_shards" if config.train.tiled_mlp_shards else "ceil(tokens / hidden_size)"
+    return (f"tiled MLP: {len(mlps)} {type(mlps[0]).__name__ if mlps else 'MLP'} layers each run over {tokens:,} "
+            f"tokens per sample in {shards} shards ({how}), recomputed in backward")
+
+
+def activation_offload(config) -> Callable[[], Any]:
+    """train.activation_checkpointing_offload: the context each micro batch's forward and backward run in.
+    DeepSpeed's manager marks the input of each transformers layer that checkpoints (GradientCheckpointingLayer)
+    and keeps it in pinned host memory until backward needs it (the newest layer's stays on the GPU); other
+    saved tensors are untouched. One manager for the run, so its pinned buffers are reused step after step;
+    without activation checkpointing nothing is marked and it changes nothing."""
+    if not config.train.activation_checkpointing_offload:
+        return contextlib.nullcontext
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        get_checkpoint_hidden_states_offloading_ctx_manager)
+    manager = get_checkpoint_hidden_states_offloading_ctx_manager()
+    return lambda: manager
 
 
 def enable_activation_checkpointing(model, ds_config: dict, rank: int) -> None:

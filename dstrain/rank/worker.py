@@ -219,16 +219,23 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
     from dstrain import speedups
-    from dstrain.rank.runtime import (checkpointing_wanted, enable_activation_checkpointing, initialize_engine,
-                                      sequence_parallel_mpu)
+    from dstrain.rank.runtime import (apply_tiled_mlp, checkpointing_wanted, enable_activation_checkpointing,
+                                      initialize_engine, sequence_parallel_mpu)
 
     model = build_model(config, ds_config, device)
+    tiled = apply_tiled_mlp(model, config)
+    if tiled and rank == 0:
+        print(tiled, flush=True)
     checkpointing, why = checkpointing_wanted(config, ds_config, model, device)
     if why and rank == 0:
         print(f"activation checkpointing {why} (train.activation_checkpointing=auto; true or false to choose)",
               flush=True)
     if checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
+    if config.train.activation_checkpointing_offload and rank == 0:
+        print("activation checkpoint offload: each checkpointed layer's input kept in pinned host memory until "
+              "backward" if checkpointing else "activation checkpoint offload: nothing to offload, activation "
+              "checkpointing is off on this run (train.activation_checkpointing=auto decided off)", flush=True)
     mpu = sequence_parallel_mpu(model, config, ds_config)
     if mpu is not None and rank == 0:
         sp = config.train.sequence_parallel

@@ -92,6 +92,12 @@ eq. 1, no tensor/sequence parallelism): s*b*h*(34 + 5*a*s/h) bytes per layer in 
   logits, fp32 probabilities and gradient, c'*vocab*(4 + 2w), plus the head's weight gradient, summed
   in fp32 over the chunks and kept in its dtype for backward, vocab*d*(4 + w), plus the hidden
   states' gradient, b*s*d*w.
+- Tiled MLP (train.tiled_mlp, DeepSpeed's TiledMLP): of the block's 34*s*b*h, the MLP's own 19*s*b*h
+  (its input 2, the 4h-wide pre- and post-activation 8 + 8, the dropout mask 1) shrinks to its input (2):
+  17*s*b*h a layer, plus one shard's MLP activations, 19*(s/k)*b*h, while that shard is computed or
+  recomputed (k shards: train.tiled_mlp_shards, or ceil(s / h) as dstrain uses by default).
+- Checkpoint offload (train.activation_checkpointing_offload, "hf:" models): the checkpointed block
+  inputs are on the host, as with cpu_checkpointing (DeepSpeed keeps the newest one on the GPU: not counted).
 - Sequence parallelism over N ranks (train.sequence_parallel, DeepSpeed's Ulysses): each GPU holds s/N
   tokens of every activation above, logits included (whole or chunked); the core attention runs over the whole sequence
   for a/N heads, so the score matrix (without flash attention) is 5*(a/N)*s^2*b. The model states are
@@ -185,6 +191,10 @@ class Workload:
     """Attention via SDPA/flash: the s^2 score matrix is not stored."""
     sequence_parallel: int = 1
     """Ranks that split each sequence (train.sequence_parallel): each GPU holds seq_len / N tokens."""
+    tiled_mlp: bool = False
+    """train.tiled_mlp: each block's MLP runs in shards along the sequence, its activations recomputed."""
+    tiled_mlp_shards: int | None = None
+    """train.tiled_mlp_shards; None: ceil(tokens per GPU per sequence / d_model)."""
     zero_init: bool = True
     """Stage 3 builds the model under deepspeed.zero.Init (partitioned as it is built)."""
 
@@ -381,6 +391,11 @@ def _activations(work: Workload, low_bytes: int) -> tuple[dict[str, int], dict[s
     local = s // sp  # this GPU's tokens of each sequence
     scale = low_bytes / 2  # the formula is in 16-bit bytes; fp32 doubles it
     per_layer = 34 * local * b * h
+    shard_mlp = 0
+    if work.tiled_mlp:  # the MLP keeps its input only; one shard's activations at a time
+        shards = min(local, work.tiled_mlp_shards or -(-local // h))
+        per_layer -= 17 * local * b * h
+        shard_mlp = int(19 * -(-local // shards) * b * h * low_bytes / 2)
     if not work.flash_attention:
         per_layer += 5 * a * s * s * b // sp  # a/N heads over the whole sequence
     per_layer = int(per_layer * scale)
@@ -394,6 +409,8 @@ def _activations(work: Workload, low_bytes: int) -> tuple[dict[str, int], dict[s
         gpu["recomputed_block"] = per_layer
     else:
         gpu["all_blocks"] = per_layer * work.n_layer
+    if shard_mlp:
+        gpu["tiled_mlp_shard"] = shard_mlp
     gpu["logits"] = logits
     return gpu, host
 
@@ -762,7 +779,8 @@ def render(estimates: list[PresetEstimate], recommended: str | None, reason: str
         f"{work.precision}, micro_batch {work.micro_batch} x seq_len {work.seq_len}"
         f"{f' over {work.sequence_parallel} sequence-parallel ranks' if work.sequence_parallel > 1 else ''}, "
         f"activation checkpointing {'on' if work.activation_checkpointing else 'off'}"
-        f"{' (to CPU)' if work.activation_checkpointing and work.cpu_checkpointing else ''}")
+        f"{' (to CPU)' if work.activation_checkpointing and work.cpu_checkpointing else ''}"
+        f"{', tiled MLP' if work.tiled_mlp else ''}")
     console.print(
         f"{hw.nodes} node(s) x {hw.gpus_per_node} {kind}(s) x {gib(hw.gpu_mem_bytes)} GiB, "
         f"host RAM {gib(hw.cpu_mem_bytes)} GiB per node; a GPU may use {GPU_HEADROOM:.0%}")

@@ -174,8 +174,10 @@ def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpoi
     fields.update(shape or {})
     return E.Workload(params=total, largest_layer_params=largest, seq_len=cfg.data.seq_len,
                       micro_batch=cfg.train.micro_batch_size, activation_checkpointing=activation_checkpointing,
-                      cpu_checkpointing=bool(ac.get("cpu_checkpointing")), precision=cfg.train.precision,
-                      sequence_parallel=cfg.train.sequence_parallel, **fields)
+                      # train.activation_checkpointing_offload puts an hf: model's block inputs on the host too
+                      cpu_checkpointing=bool(ac.get("cpu_checkpointing") or cfg.train.activation_checkpointing_offload),
+                      precision=cfg.train.precision, sequence_parallel=cfg.train.sequence_parallel,
+                      tiled_mlp=cfg.train.tiled_mlp is True, tiled_mlp_shards=cfg.train.tiled_mlp_shards, **fields)
 
 
 def checkpointing_decision(cfg, ds_config: dict, total: int, largest: int, hw,
