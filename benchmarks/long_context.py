@@ -117,6 +117,7 @@ def longest(model_dir: Path, gpus: int, sp: int, args, keep, variant: str = "def
     while seq_len <= args.max_to:
         row = run_row(model_dir, gpus, sp, seq_len, args, variant)
         keep(dict(row, search="max"))
+        print(describe(row) + "  (search)", flush=True)
         if row["status"] != "ok":
             break
         best = row
@@ -159,6 +160,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", help="extra dstrain override for every run")
     parser.add_argument("--variants", default="default",
                         help=f"comma-separated memory-switch variants run on every layout: {', '.join(VARIANTS)}")
+    parser.add_argument("--layouts", default="dp,sp", help="dp (each GPU its own sequences), sp (each sequence split over the GPUs), or both")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -176,7 +178,9 @@ def main() -> None:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown --variants {', '.join(unknown)}: use {', '.join(VARIANTS)}")
-    layouts = [(g, sp, v) for g in counts for sp in ((1, g) if g > 1 else (1,)) for v in variants]
+    wanted = set(args.layouts.split(","))
+    layouts = [(g, sp, v) for g in counts for sp in ((1, g) if g > 1 else (1,)) for v in variants
+               if ("sp" if sp > 1 else "dp") in wanted]
     rows: list[dict] = []
     print(f"{'GPUs':>4} {'layout':>6} {'variant':>13} {'seq_len':>12} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'status':>7}",
           flush=True)
