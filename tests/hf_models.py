@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 
-def save_tiny_llama(directory: Path, seed: int = 0, vocab_size: int = 256) -> Path:
+def save_tiny_llama(directory: Path, seed: int = 0, vocab_size: int = 256, intermediate_size: int = 64) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=intermediate_size, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)

@@ -479,6 +479,28 @@ def test_the_plan_of_an_hf_model_takes_its_shape_and_its_loss_chunking(tmp_path)
     assert off.estimates[0].gpu_bytes_per_gpu > plan.estimates[0].gpu_bytes_per_gpu
 
 
+def test_the_plan_of_an_hf_model_at_stage3_counts_its_decoder_layers_kept_whole_as_a_run_keeps_them(tmp_path):
+    pytest.importorskip("transformers")
+    import transformers
+    from hf_models import save_tiny_llama
+
+    from dstrain.tools.estimate.planner import make_plan
+    model = save_tiny_llama(tmp_path / "llama", intermediate_size=4096)  # a weight above DeepSpeed's 100,000
+    layers = transformers.AutoModelForCausalLM.from_pretrained(model).model.layers
+    layer_params = sum(p.numel() for layer in layers for p in layer.parameters())
+    sets = [f"model.name=hf:{model}", "data.source=synthetic", "data.seq_len=32"]
+
+    def stage3(extra):
+        plan = make_plan(None, sets + extra, None, 2, 1, 80, 64, "cuda")
+        return next(e for e in plan.estimates if e.name == "stage3")
+
+    whole = stage3([])
+    # each GPU holds every layer's bf16 weights instead of its half of them
+    assert whole.gpu_breakdown["model_states"]["params_persistent"] == 2 * (layer_params - layer_params // 2)
+    assert stage3(["deepspeed.zero_optimization.stage3_param_persistence_threshold=100000"]).gpu_breakdown[
+        "model_states"].get("params_persistent") is None  # the user's threshold: DeepSpeed's sharding
+
+
 def test_largest_micro_batch_is_the_last_that_fits_and_grows_with_chunking():
     from dataclasses import replace
 

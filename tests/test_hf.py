@@ -408,11 +408,12 @@ def test_zero3_fetches_each_transformer_block_of_an_hf_model_whole(llama_dir, mo
     (1, ["deepspeed.zero_optimization.stage3_param_persistence_threshold=5000"], False),  # the user chose
     (1, ["deepspeed.zero_optimization.offload_optimizer.device=cpu"], False),  # offload: not measured
 ])
-def test_zero3_on_gpus_keeps_each_decoder_layer_of_an_hf_model_whole(llama_dir, world, sets, whole):
+def test_zero3_on_gpus_keeps_each_decoder_layer_of_an_hf_model_whole(tmp_path, world, sets, whole):
     import transformers
 
     from dstrain.config.resolve import resolve
     from dstrain.launcher.preflight import check_runtime
+    llama_dir = save_tiny_llama(tmp_path / "llama", intermediate_size=4096)  # a weight above DeepSpeed's 100,000
     resolved = resolve("stage3", None, [f"model.name=hf:{llama_dir}", "data.tokenizer=byte", "data.seq_len=16", *sets],
                        world_size=world, accelerator="cuda", env={})
     check_runtime(resolved)

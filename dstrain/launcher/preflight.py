@@ -110,9 +110,15 @@ def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
     _check_data(resolved)
     check_trackers(resolved)
     _fit_nvme_swap_buffer(resolved, facts.largest)
+    apply_block_defaults(resolved, facts)
+    return facts.params, facts.trainable
+
+
+def apply_block_defaults(resolved: ResolvedConfig, facts: ModelFacts) -> None:
+    """An hf: model's ZeRO-3 defaults that need the model built: each decoder layer one fetch, and kept
+    whole on GPUs. `dstrain estimate` applies them too, so that it estimates what runs."""
     _fetch_blocks_whole(resolved, facts.block_class, frozen=facts.trainable < facts.params)
     _keep_blocks_whole(resolved, facts)
-    return facts.params, facts.trainable
 
 
 def _decide_loss_chunking(resolved: ResolvedConfig, chunked: bool, note: str | None, why: str | None) -> None:
@@ -162,7 +168,7 @@ def _fetch_blocks_whole(resolved: ResolvedConfig, block_class: str | None, froze
 
 def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> None:
     """ZeRO-3 on GPUs without offload, an hf: model whose decoder layers are leaf modules (above): keep
-    each layer's parameters whole on every rank (persistence threshold = the layer's largest weight) and
+    each layer's parameters whole on every rank (persistence threshold: the layer's largest weight) and
     torch's linear, as dstrain/config/speed_defaults.py does for the built-in GPT: DeepSpeed's per-layer
     fetch and release in Python then stop pacing the step, and dstrain's ZeRO-3 step removes the layers'
     hooks (speedups/zero3_unhook.py). Gradients and optimizer states stay sharded; every GPU holds the
@@ -182,7 +188,8 @@ def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> None:
     world = resolved.world_size
     if world > 1 and facts.params > SMALL_GPT_PARAMS:
         return
-    zero["stage3_param_persistence_threshold"] = facts.block_largest
+    # never below the preset's: a small model's layers were whole already, and so stays its embedding
+    zero["stage3_param_persistence_threshold"] = max(facts.block_largest, zero.get("stage3_param_persistence_threshold", 0))
     zero["memory_efficient_linear"] = False
     train = resolved.config.train
     width = 4 if train.precision == "fp32" or train.mixed_precision == "autocast" else 2

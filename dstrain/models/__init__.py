@@ -122,14 +122,20 @@ def check_model(config: RunConfig) -> ModelFacts:
                                    "heads (and the key-value heads, or one they divide)")
         if Path(hf.source_of(config)).is_dir():  # a hub id is downloaded by the ranks, not here
             hf.weight_files(config)
-        block = hf.block_class(model)
         from dstrain.models.tiled_mlp import mlp_modules
         mlps = len(mlp_modules(model))
-        block_params = [p.numel() for b in hf.decoder_blocks(model) for p in b.parameters()]
-        block_largest, block_total = max(block_params, default=0), sum(block_params)
+        block, block_largest, block_total = decoder_layer_facts(model)
     chunked = getattr(model, "lm_loss", None) is not None
     return ModelFacts(params, trainable_parameters(model), largest, block, chunked, getattr(model, "loss_note", None),
                       getattr(model, "loss_why", None), mlps, block_largest, block_total)
+
+
+def decoder_layer_facts(model: nn.Module) -> tuple[str | None, int, int]:
+    """An hf: model's decoder layers: their qualified class, their largest single parameter and all their
+    parameters (what ZeRO-3 keeps whole when dstrain keeps the layers whole)."""
+    from dstrain.models import hf
+    sizes = [p.numel() for b in hf.decoder_blocks(model) for p in b.parameters()]
+    return hf.block_class(model), max(sizes, default=0), sum(sizes)
 
 
 def model_shape(model, config: RunConfig) -> dict[str, Any]:

@@ -197,6 +197,10 @@ class Workload:
     """train.tiled_mlp_shards; None: ceil(tokens per GPU per sequence / d_model)."""
     zero_init: bool = True
     """Stage 3 builds the model under deepspeed.zero.Init (partitioned as it is built)."""
+    layer_params: int | None = None
+    """An hf: model's decoder layers' parameters, all of them (None: the built-in GPT's shape counts)..."""
+    layer_largest: int | None = None
+    """... and their largest single parameter: a persistence threshold at or above it keeps them whole."""
 
 
 @dataclass
@@ -439,7 +443,9 @@ def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) 
             and placement.stage3_param_persistence_threshold > DEEPSPEED_PERSISTENCE_THRESHOLD):
         # Persistent parameters are whole on every rank, not a shard: what they add over it (DeepSpeed's
         # default keeps a few MB of LayerNorms whole, left out as the formulas above say).
-        persistent = _persistent_numel(work, placement.stage3_param_persistence_threshold)
+        threshold = placement.stage3_param_persistence_threshold
+        persistent = (work.layer_params if work.layer_largest and threshold >= work.layer_largest
+                      else _persistent_numel(work, threshold))
         extra = w * (persistent - -(-persistent // hw.total_gpus))
         if extra:
             states["gpu"]["params_persistent"] = extra

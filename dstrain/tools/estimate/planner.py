@@ -88,6 +88,8 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         build = model_builder(base)
         total, largest = count_model(lambda: built.append(build()) or built[0])
         shape = model_shape(built[0], base)
+        if base.model.name.startswith("hf:"):
+            _hf_block_defaults(resolved, base, built[0], total, largest, shape)
     if (shape or {}).get("loss_chunk_tokens") or (shape is None and base.train.loss_chunking is True):
         notes.append(f"the LM loss runs in chunks of {base.train.loss_chunk_tokens:,} tokens (train.loss_chunking): "
                      "the logits are estimated per chunk")
@@ -120,6 +122,22 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         notes.append(micro_batch_note(plan.recommended, plan.estimates, plan.workload, hw,
                                       base.train.loss_chunk_tokens))
     return plan
+
+
+def _hf_block_defaults(resolved: dict[str, ResolvedConfig], base, model, total: int, largest: int,
+                       shape: dict) -> None:
+    """The ZeRO-3 defaults a run gives an hf: model once it is built (each decoder layer one fetch, kept
+    whole on GPUs: dstrain.launcher.preflight.apply_block_defaults), applied to every preset's config, and
+    the decoder layers' sizes in `shape`, so that the estimate counts the layers kept whole."""
+    from dstrain.launcher.preflight import apply_block_defaults
+    from dstrain.models import ModelFacts, decoder_layer_facts, setup, trainable_parameters
+    setup.apply_freezing(base, model)  # on the meta model: only to count what trains
+    block, block_largest, block_total = decoder_layer_facts(model)
+    facts = ModelFacts(total, trainable_parameters(model), largest, block, block_largest=block_largest,
+                       block_params=block_total)
+    for r in resolved.values():
+        apply_block_defaults(r, facts)
+    shape.update(layer_params=block_total, layer_largest=block_largest)
 
 
 def _estimate_all(resolved: dict[str, ResolvedConfig], total: int, largest: int, hw, notes: list[str],
