@@ -76,6 +76,7 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
 
     resolved = resolve_all(extra_sets)
     base = resolved[names[0]].config
+    block_defaults = None  # an hf: model's ZeRO-3 defaults, once it is built (below)
     if params is not None:
         total = int(params)
         largest = max(base.model.vocab_size * base.model.d_model, 4 * base.model.d_model ** 2)
@@ -89,7 +90,9 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         total, largest = count_model(lambda: built.append(build()) or built[0])
         shape = model_shape(built[0], base)
         if base.model.name.startswith("hf:"):
-            _hf_block_defaults(resolved, base, built[0], total, largest, shape)
+            block_defaults = _hf_block_defaults(base, built[0], total, largest, shape)
+            for r in resolved.values():
+                block_defaults(r)
     if (shape or {}).get("loss_chunk_tokens") or (shape is None and base.train.loss_chunking is True):
         notes.append(f"the LM loss runs in chunks of {base.train.loss_chunk_tokens:,} tokens (train.loss_chunking): "
                      "the logits are estimated per chunk")
@@ -103,8 +106,10 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         best = None
         for degree in sequence_parallel_degrees(base, world):
             trial_notes: list[str] = []
-            trial, trial_work = _estimate_all(resolve_all([*extra_sets, f"train.sequence_parallel={degree}"]),
-                                              total, largest, hw, trial_notes, shape)
+            trial_resolved = resolve_all([*extra_sets, f"train.sequence_parallel={degree}"])
+            for r in trial_resolved.values() if block_defaults else ():
+                block_defaults(r)
+            trial, trial_work = _estimate_all(trial_resolved, total, largest, hw, trial_notes, shape)
             found, why = E.recommend(trial)
             if found is not None and (best is None or names.index(found) < names.index(best[1])):
                 best = (degree, found, why, trial, trial_work, trial_notes)
@@ -124,20 +129,18 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
     return plan
 
 
-def _hf_block_defaults(resolved: dict[str, ResolvedConfig], base, model, total: int, largest: int,
-                       shape: dict) -> None:
-    """The ZeRO-3 defaults a run gives an hf: model once it is built (each decoder layer one fetch, kept
-    whole on GPUs: dstrain.launcher.preflight.apply_block_defaults), applied to every preset's config, and
-    the decoder layers' sizes in `shape`, so that the estimate counts the layers kept whole."""
+def _hf_block_defaults(base, model, total: int, largest: int, shape: dict):
+    """What applies to a preset's resolved config the ZeRO-3 defaults a run gives an hf: model once it is
+    built (each decoder layer one fetch, kept whole on GPUs: dstrain.launcher.preflight.apply_block_defaults);
+    the decoder layers' sizes go into `shape`, so that the estimate counts the layers kept whole."""
     from dstrain.launcher.preflight import apply_block_defaults
     from dstrain.models import ModelFacts, decoder_layer_facts, setup, trainable_parameters
     setup.apply_freezing(base, model)  # on the meta model: only to count what trains
     block, block_largest, block_total = decoder_layer_facts(model)
     facts = ModelFacts(total, trainable_parameters(model), largest, block, block_largest=block_largest,
                        block_params=block_total)
-    for r in resolved.values():
-        apply_block_defaults(r, facts)
     shape.update(layer_params=block_total, layer_largest=block_largest)
+    return lambda resolved: apply_block_defaults(resolved, facts)
 
 
 def _estimate_all(resolved: dict[str, ResolvedConfig], total: int, largest: int, hw, notes: list[str],
