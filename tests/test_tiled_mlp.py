@@ -12,6 +12,7 @@ CUDA): the checkpoint offload moves layer inputs to the host and keeps every gra
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import copy
 import textwrap
 
@@ -25,6 +26,11 @@ from dstrain.config.resolve import resolve
 from dstrain.errors import UserError
 
 transformers = pytest.importorskip("transformers")
+
+# DeepSpeed's checkpoint offload manager is new in 0.19 (CI's oldest-DeepSpeed lane runs 0.18.9)
+needs_offload_manager = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed.runtime.activation_checkpointing.offload_activations") is None,
+    reason="the installed DeepSpeed has no activation checkpoint offload manager")
 
 BUILDERS = {"llama": save_tiny_llama, "qwen2": save_tiny_qwen2}
 
@@ -202,6 +208,23 @@ def test_checkpoint_offload_is_refused_without_checkpointing_on_cpu_and_for_the_
     assert ok.config.train.activation_checkpointing_offload is True
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed.runtime.activation_checkpointing.offload_activations") is not None,
+    reason="the installed DeepSpeed has the manager (this checks the refusal where it does not: 0.18)")
+def test_checkpoint_offload_is_refused_before_any_rank_on_a_deepspeed_without_it(tmp_path):
+    from dstrain.launcher.preflight import check_runnable
+    resolved = resolve("stage3", None, [f"model.name=hf:{save_tiny_llama(tmp_path / 'llama')}", "data.tokenizer=byte",
+                                        "train.activation_checkpointing=true",
+                                        "train.activation_checkpointing_offload=true"],
+                       world_size=1, accelerator="cuda", env={})
+    with pytest.raises(UserError) as err:
+        check_runnable(resolved)
+    message = str(err.value)
+    assert "no activation checkpoint offload" in message and "train.activation_checkpointing_offload" in message
+    assert "deepspeed==0.19.8" in message
+
+
+@needs_offload_manager
 def test_checkpoint_offload_changes_nothing_without_a_gpu(tmp_path):
     """On the CPU accelerator DeepSpeed's manager offloads nothing (is_synchronized_device): the context the
     loop enters is harmless there, which is why dstrain refuses the switch on CPU ranks rather than pretend."""
@@ -278,6 +301,7 @@ def test_the_plan_needs_fewer_ranks_with_the_tiled_mlp(tmp_path):
 # ------------------------------------------------------------------ on a GPU (skipped without CUDA)
 
 
+@needs_offload_manager
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="checkpoint offload moves GPU activations: needs CUDA")
 def test_checkpoint_offload_moves_layer_inputs_and_keeps_the_gradients(tmp_path):
     """A tiny Llama on GPU 0 with transformers' checkpointing: inside the manager the layers' inputs go to

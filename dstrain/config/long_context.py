@@ -26,7 +26,8 @@ def resolve_tiled_mlp(config: RunConfig, ds: dict[str, Any], merged: Merged, acc
     """train.tiled_mlp: true where it cannot apply is an error; "auto" becomes true or false here."""
     chosen, where = config.train.tiled_mlp, merged.where("train.tiled_mlp")
     hf = config.model.name.startswith("hf:")
-    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    zero = ds.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0  # a malformed section is reported elsewhere
     # At ZeRO-3 with frozen weights the layers are not leaf modules (preflight._fetch_blocks_whole), so every
     # shard would gather the MLP's weights again, and ranks whose shard counts differ would hang.
     zero3_frozen = stage == 3 and _frozen_weights(config)

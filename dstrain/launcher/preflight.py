@@ -64,11 +64,29 @@ def check_runnable(resolved: ResolvedConfig) -> None:
                                     "remove " + ", ".join(quantized) + " (or set false) for CPU ranks, "
                                     "or run on GPUs (--accelerator cuda)"))
     problems += _optimizer_problems(resolved)
+    problems += _checkpoint_offload_problems(resolved)
     if resolved.config.model.lora is not None:
         from dstrain.models.hf import check_quantize
         problems += check_quantize(resolved.config, ds, resolved.accelerator)
     if problems:
         raise UserError(problems)
+
+
+def _checkpoint_offload_problems(resolved: ResolvedConfig) -> list:
+    """train.activation_checkpointing_offload runs DeepSpeed's checkpoint offload manager, which DeepSpeed
+    0.18 does not have (deepspeed.runtime.activation_checkpointing.offload_activations): every rank would
+    stop at its first step."""
+    import importlib.util
+    if not resolved.config.train.activation_checkpointing_offload:
+        return []
+    if importlib.util.find_spec("deepspeed.runtime.activation_checkpointing.offload_activations") is not None:
+        return []
+    import deepspeed
+    return [Problem(f"the installed DeepSpeed {deepspeed.__version__} has no activation checkpoint offload "
+                    "(deepspeed.runtime.activation_checkpointing.offload_activations)",
+                    _named(resolved, "train.activation_checkpointing_offload"),
+                    "pip install 'deepspeed==0.19.8' (the verified version), or set "
+                    "train.activation_checkpointing_offload=false")]
 
 
 def _optimizer_problems(resolved: ResolvedConfig) -> list:
