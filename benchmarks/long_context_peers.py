@@ -79,9 +79,9 @@ def peer_missing(peer: str) -> str | None:
 
 
 def deepspeed_config(accelerator: str, train_batch_size: int | str = "auto") -> dict:
-    """ZeRO-3, micro batch 1, no accumulation. train_batch_size: "auto" for Trainer (which fills it in; under
-    SP Accelerate then sets micro x accumulation x data-parallel size), the number for a plain Accelerate loop
-    (which leaves "auto" as it is)."""
+    """ZeRO-3, micro batch 1, no accumulation. train_batch_size: "auto" for Trainer (which fills it in), the
+    number of processes for a plain Accelerate loop (which leaves "auto" as it is, and zero.Init checks it
+    against the world size); under SP Accelerate's prepare sets micro x accumulation x data-parallel size."""
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -181,7 +181,7 @@ def run_row(peer: str, model_dir: Path, gpus: int, sp: int, seq_len: int, args) 
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         (scratch / "ds.json").write_text(json.dumps(
-            deepspeed_config(args.accelerator, "auto" if peer == "trl" else gpus // sp)))
+            deepspeed_config(args.accelerator, "auto" if peer == "trl" else gpus)))
         # JSON is what accelerate's load_config_from_file reads for a .json name
         (scratch / "accelerate.json").write_text(json.dumps(
             accelerate_config(gpus, sp, str(scratch / "ds.json"), args.accelerator, args.attn)))
