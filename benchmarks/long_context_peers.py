@@ -25,11 +25,12 @@ over --log-every-step intervals after --warmup steps; TFLOP/s per GPU and MFU wi
 (torch.cuda.max_memory_allocated). A peer that cannot run (not installed, too old, its run failed) gets a row
 with its status and reason instead of figures.
 
-On the GPU machine (device tool, carry [".whl"]): the image has accelerate; TRL and datasets come as wheels:
-    source benchmarks/gpu_env.sh
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/extra/trl-1.16.0-py3-none-any.whl \\
-        .whl/extra/datasets-4.8.5-py3-none-any.whl .whl/extra/dill-*.whl .whl/extra/multiprocess-*.whl
-(`accelerate` must be on PATH: it is the image's console script; /tmp/site/bin is on PATH after gpu_env.sh.)
+On the GPU machine (device tool, carry [".whl"], after `source benchmarks/gpu_env.sh`): the image has
+accelerate (its `accelerate` command launches the rows); TRL, datasets, dill and multiprocess come from
+.whl/extra, installed --no-deps into /tmp/site by sft.py's install_extras (called here on the first run; the
+datasets wheel picked by the image's pyarrow), the same as
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/extra/trl-*.whl \\
+        .whl/extra/datasets-4*.whl .whl/extra/dill-*.whl .whl/extra/multiprocess-*.whl
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def peer_missing(peer: str) -> str | None:
             return f"{package} is not installed"
         if Version(found) < Version(least):
             return f"{package} {found} is older than {least}, the first with DeepSpeed sequence parallelism"
+    try:  # installed is not importable: datasets needs pyarrow, xxhash, ... which --no-deps wheels do not bring
+        from accelerate.utils import ParallelismConfig  # noqa: F401
+        from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig  # noqa: F401
+        if peer == "trl":
+            import datasets  # noqa: F401
+            from trl import SFTConfig, SFTTrainer  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any import failure is the row's reason
+        return f"import failed: {type(err).__name__}: {err}"[:300]
     return None
 
 
@@ -284,7 +293,7 @@ def worker(args) -> None:
                 stamp()
 
         trainer = SFTTrainer(model=model, args=config, processing_class=tiny_tokenizer(),
-                             train_dataset=Dataset.from_dict({"input_ids": sequences(4 * args.steps * 8)}),
+                             train_dataset=Dataset.from_dict({"input_ids": sequences((args.steps + 2) * world_size())}),
                              callbacks=[Stamps()])
         trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -322,7 +331,7 @@ def accelerate_loop(args, dtype, sequences, stamp, watch) -> list[float]:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, attn_implementation=args.attn)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     watch(model)
-    ids = torch.tensor(sequences(4 * args.steps * 8))
+    ids = torch.tensor(sequences((args.steps + 2) * world_size()))
     positions = torch.arange(args.seq_len).expand_as(ids)
 
     def collate(batch):
@@ -359,6 +368,10 @@ def accelerate_loop(args, dtype, sequences, stamp, watch) -> list[float]:
         stamp()
     accelerator.end_training()
     return losses
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def tiny_tokenizer():
@@ -434,6 +447,9 @@ def main() -> None:
         else:
             from hf_load_memory import make
             make(model_dir, None)
+    if "trl" in args.peers.split(","):
+        from sft import install_extras
+        print("TRL:", install_extras(), flush=True)
     rows: list[dict] = []
     print(HEADER, flush=True)
 
