@@ -254,10 +254,12 @@ def worker(args) -> None:
 
     shard: list[int] = []
 
-    def watch(model) -> None:  # the length each rank's forward sees: seq_len / sp when the split is on
-        model.register_forward_pre_hook(lambda _m, a, kw: shard.append((kw.get("input_ids") if kw.get("input_ids") is not None
-                                                                       else a[0]).shape[-1]) if not shard else None,
-                                        with_kwargs=True)
+    def watch(model) -> None:  # the length the first forward sees: seq_len / sp when the split is on
+        def first(_module, positional, named):
+            ids = named.get("input_ids") if named.get("input_ids") is not None else positional[0]
+            if not shard:
+                shard.append(ids.shape[-1])
+        model.register_forward_pre_hook(first, with_kwargs=True)
 
     losses: list[float] = []
     if args.worker == "trl":
@@ -338,7 +340,8 @@ def accelerate_loop(args, dtype, sequences, stamp, watch) -> list[float]:
         rows = torch.stack([b[0] for b in batch])
         return {"input_ids": rows, "position_ids": torch.stack([b[1] for b in batch]), "labels": rows.clone()}
 
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, positions), batch_size=1, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, positions), batch_size=1,
+                                         collate_fn=collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     group = None
@@ -469,8 +472,9 @@ def main() -> None:
                     if row["status"] != "ok":
                         break
                     best, seq_len = row, seq_len * 2
-                keep(dict(best or {"peer": peer, "gpus": gpus, "sequence_parallel": sp, "seq_len": 0},
-                          search="max", max_seq_len=best["seq_len"] if best else None, status="ok" if best else "none fits"))
+                top = best or {"peer": peer, "gpus": gpus, "sequence_parallel": sp, "seq_len": 0}
+                keep(dict(top, search="max", max_seq_len=best["seq_len"] if best else None,
+                          status="ok" if best else "none fits"))
     if args.json:
         write_json(args.json, vars(args), rows)
 
