@@ -141,14 +141,8 @@ def describe(row: dict) -> str:
     return f"{row['gpus']:>4} {layout:>6} {row.get('variant', 'default'):>13} {length:>12} {speed:>10} {mfu:>6} {memory:>9} {status:>7}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpus", default=None, help="comma-separated GPU counts (default: 1, 2, 4, those present)")
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="the hf model folder: made there when it holds none, reused when it does (default: a temp dir)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny Llama instead of the 1.1B one (smoke test)")
-    parser.add_argument("--preset", default="stage3")
-    parser.add_argument("--accelerator", default="cuda", choices=["cuda", "cpu"])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The lengths and the run length, shared with long_context_peers.py so that its rows match."""
     parser.add_argument("--seq-lens", default="32768", help="comma-separated lengths measured on every layout")
     parser.add_argument("--no-max", action="store_true", help="skip the search for the longest sequence")
     parser.add_argument("--max-from", type=int, default=16384)
@@ -157,6 +151,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", default=None, help="comma-separated GPU counts (default: 1, 2, 4, those present)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="the hf model folder: made there when it holds none, reused when it does (default: a temp dir)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny Llama instead of the 1.1B one (smoke test)")
+    parser.add_argument("--preset", default="stage3")
+    parser.add_argument("--accelerator", default="cuda", choices=["cuda", "cpu"])
+    add_run_arguments(parser)
     parser.add_argument("--set", action="append", help="extra dstrain override for every run")
     parser.add_argument("--variants", default="default",
                         help=f"comma-separated memory-switch variants run on every layout: {', '.join(VARIANTS)}")

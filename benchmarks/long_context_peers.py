@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from long_context import OOM_SIGNS, make_tiny  # noqa: E402
+from long_context import OOM_SIGNS, add_run_arguments, make_tiny  # noqa: E402
 from run_record import write_json  # noqa: E402
 
 PEERS = ("trl", "accelerate")
@@ -409,14 +409,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama instead of the 1.1B one (smoke test)")
     parser.add_argument("--accelerator", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--attn", default="sdpa", help="sp_attn_implementation / attn_implementation")
-    parser.add_argument("--seq-lens", default="32768", help="comma-separated lengths measured on every layout")
-    parser.add_argument("--no-max", action="store_true", help="skip the search for the longest sequence")
-    parser.add_argument("--max-from", type=int, default=16384)
-    parser.add_argument("--max-to", type=int, default=262144)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--log-every", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
+    add_run_arguments(parser)
     parser.add_argument("--port", type=int, default=29517)
     parser.add_argument("--json", type=Path, default=None)
     # worker side (set by run_row)
