@@ -23,6 +23,8 @@ GPT_ZERO3_LEAF = "dstrain.models.gpt.Block"
 SMALL_GPT_PARAMS = 3_000_000_000
 
 ZERO = "deepspeed.zero_optimization"
+# The keys that keep ZeRO-3 blocks whole; where the user set any of them, dstrain leaves all three alone.
+WHOLE_BLOCK_KEYS = ("stage3_param_persistence_threshold", "memory_efficient_linear", "stage3_model_persistence_threshold")
 
 
 def render_speed_defaults(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str, world: int,
@@ -100,8 +102,7 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
     anyway (1.3B: 1.07-1.09x, the same peak memory)."""
     if not (config.model.name == "gpt" and accelerator == "cuda" and _zero3_without_offload(zero)):
         return
-    keys = ("stage3_param_persistence_threshold", "memory_efficient_linear", "stage3_model_persistence_threshold")
-    if any(merged.source_of(f"{ZERO}.{key}").rank > PRESET_RANK for key in keys):
+    if any(merged.source_of(f"{ZERO}.{key}").rank > PRESET_RANK for key in WHOLE_BLOCK_KEYS):
         return  # the user's choice stands
     m = config.model
     params = m.vocab_size * m.d_model + config.data.seq_len * m.d_model + m.n_layer * 12 * m.d_model ** 2
@@ -116,10 +117,14 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
     notes[f"{ZERO}.memory_efficient_linear"] = "dstrain default with blocks kept whole"
 
 
+def weight_bytes(config: RunConfig) -> int:
+    """Bytes a weight takes on the GPU: fp32 under autocast or fp32 training, else 16-bit."""
+    return 4 if config.train.precision == "fp32" or config.train.mixed_precision == "autocast" else 2
+
+
 def _blocks_gib(config: RunConfig) -> float:
-    """The built-in GPT's blocks' weights in GiB: fp32 under autocast or fp32 training, else 16-bit."""
-    width = 4 if config.train.precision == "fp32" or config.train.mixed_precision == "autocast" else 2
-    return width * config.model.n_layer * 12 * config.model.d_model ** 2 / 2**30
+    """The built-in GPT's blocks' weights in GiB."""
+    return weight_bytes(config) * config.model.n_layer * 12 * config.model.d_model ** 2 / 2**30
 
 
 def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, notes: dict[str, str]) -> None:

@@ -192,7 +192,7 @@ def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> None:
     hooks (speedups/zero3_unhook.py). Gradients and optimizer states stay sharded; every GPU holds the
     layers' 16-bit weights. On one GPU at any size (one rank's shard is the whole model anyway), on several
     up to SMALL_GPT_PARAMS parameters. Only where the preset's values stand (the user set none of the keys)."""
-    from dstrain.config.speed_defaults import SMALL_GPT_PARAMS, ZERO
+    from dstrain.config.speed_defaults import SMALL_GPT_PARAMS, WHOLE_BLOCK_KEYS, ZERO, weight_bytes
     zero = resolved.ds_config.get("zero_optimization")
     if resolved.accelerator != "cuda" or not facts.block_largest or not isinstance(zero, dict) or zero.get("stage") != 3:
         return
@@ -200,8 +200,8 @@ def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> None:
     if (not isinstance(leaf, dict) or facts.block_class not in leaf.get("classes", [])
             or any((zero.get(part) or {}).get("device", "none") != "none" for part in ("offload_param", "offload_optimizer"))):
         return
-    keys = ("stage3_param_persistence_threshold", "memory_efficient_linear", "stage3_model_persistence_threshold")
-    if any(not resolved.sources.get(f"{ZERO}.{key}", "default").startswith(("preset ", "default")) for key in keys):
+    if any(not resolved.sources.get(f"{ZERO}.{key}", "default").startswith(("preset ", "default"))
+           for key in WHOLE_BLOCK_KEYS):
         return  # the user's choice stands
     world = resolved.world_size
     if world > 1 and facts.params > SMALL_GPT_PARAMS:
@@ -209,12 +209,10 @@ def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> None:
     # never below the preset's: a small model's layers were whole already, and so stays its embedding
     zero["stage3_param_persistence_threshold"] = max(facts.block_largest, zero.get("stage3_param_persistence_threshold", 0))
     zero["memory_efficient_linear"] = False
-    train = resolved.config.train
-    width = 4 if train.precision == "fp32" or train.mixed_precision == "autocast" else 2
     resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"] = (
         "dstrain default for hf: models on one GPU: each decoder layer stays whole" if world == 1 else
         f"dstrain default for hf: models under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each decoder layer stays whole "
-        f"on every rank ({width * facts.block_params / 2**30:.1f} GiB of weights a GPU; set 100000 to shard them)")
+        f"on every rank ({weight_bytes(resolved.config) * facts.block_params / 2**30:.1f} GiB of weights a GPU; set 100000 to shard them)")
     resolved.sources[f"{ZERO}.memory_efficient_linear"] = "dstrain default with decoder layers kept whole"
 
 

@@ -63,9 +63,9 @@ def tile(mlp: nn.Module, shards: int) -> None:
     mlp.forward = forward
 
 
-def apply(model: nn.Module, shards: int) -> int:
-    """Tile every decoder layer's MLP of `model` (an hf: model, or dstrain's CausalLM around one); how many."""
+def apply(model: nn.Module, shards: int) -> list[nn.Module]:
+    """Tile every decoder layer's MLP of `model` (an hf: model, or dstrain's CausalLM around one); the MLPs tiled."""
     mlps = mlp_modules(model)
     for mlp in mlps:
         tile(mlp, shards)
-    return len(mlps)
+    return mlps

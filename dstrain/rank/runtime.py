@@ -159,8 +159,7 @@ def apply_tiled_mlp(model, config) -> str | None:
     from dstrain.models import tiled_mlp
     tokens = config.data.seq_len // config.train.sequence_parallel  # one sample's tokens on this rank
     shards = config.train.tiled_mlp_shards or tiled_mlp.auto_shards(tokens, tiled_mlp.hidden_size(model.model) or tokens)
-    mlps = tiled_mlp.mlp_modules(model)
-    tiled_mlp.apply(model, shards)
+    mlps = tiled_mlp.apply(model, shards)
     how = "train.tiled_mlp_shards" if config.train.tiled_mlp_shards else "ceil(tokens / hidden_size)"
     return (f"tiled MLP: {len(mlps)} {type(mlps[0]).__name__ if mlps else 'MLP'} layers each run over {tokens:,} "
             f"tokens per sample in {shards} shards ({how}), recomputed in backward")

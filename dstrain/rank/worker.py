@@ -233,9 +233,10 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     if checkpointing:
         enable_activation_checkpointing(model, ds_config, rank)
     if config.train.activation_checkpointing_offload and rank == 0:
-        print("activation checkpoint offload: each checkpointed layer's input kept in pinned host memory until "
-              "backward" if checkpointing else "activation checkpoint offload: nothing to offload, activation "
-              "checkpointing is off on this run (train.activation_checkpointing=auto decided off)", flush=True)
+        what = ("each checkpointed layer's input kept in pinned host memory until backward" if checkpointing else
+                "nothing to offload, activation checkpointing is off on this run (train.activation_checkpointing=auto "
+                "decided off)")
+        print(f"activation checkpoint offload: {what}", flush=True)
     mpu = sequence_parallel_mpu(model, config, ds_config)
     if mpu is not None and rank == 0:
         sp = config.train.sequence_parallel
