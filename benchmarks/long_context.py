@@ -190,16 +190,18 @@ def main() -> None:
     print(f"{'GPUs':>4} {'layout':>6} {'variant':>13} {'seq_len':>12} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'status':>7}",
           flush=True)
 
-    def keep(row: dict) -> None:  # printed as it comes: a later run that crashes loses nothing
-        rows.append(row)
+    def keep(row: dict) -> None:  # printed and written as it comes: a later run that crashes, or a cut call,
+        rows.append(row)           # loses nothing
         print(describe(row), flush=True)
+        if args.json:
+            write_json(args.json, vars(args), rows, quiet=True)
 
     for gpus, sp, variant in layouts:
         for seq_len in (int(s) for s in args.seq_lens.split(",") if s):
             keep(run_row(model_dir, gpus, sp, seq_len, args, variant))
         if not args.no_max:
             keep(longest(model_dir, gpus, sp, args, lambda row: rows.append(row), variant))
-    if args.json:
+    if args.json:  # the last write, announced
         write_json(args.json, vars(args), rows)
 
 

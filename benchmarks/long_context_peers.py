@@ -449,9 +449,11 @@ def main() -> None:
     rows: list[dict] = []
     print(HEADER, flush=True)
 
-    def keep(row: dict) -> dict:
+    def keep(row: dict) -> dict:  # written as it comes: a cut call keeps the rows it finished
         rows.append(row)
         print(describe(row), flush=True)
+        if args.json:
+            write_json(args.json, vars(args), rows, quiet=True)
         return row
 
     for peer in (p for p in args.peers.split(",") if p):

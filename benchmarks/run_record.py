@@ -23,7 +23,7 @@ def versions(packages: tuple[str, ...] = PACKAGES) -> dict:
     return out
 
 
-def write_json(path: Path, settings: dict, rows: list[dict]) -> None:
+def write_json(path: Path, settings: dict, rows: list[dict], quiet: bool = False) -> None:
     """The run's record: when, where (host and GPU), the versions, the settings and every row."""
     import torch
     path.write_text(json.dumps({
@@ -31,4 +31,5 @@ def write_json(path: Path, settings: dict, rows: list[dict]) -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "versions": versions(), "settings": {k: str(v) for k, v in settings.items()}, "rows": rows},
         indent=2) + "\n")
-    print(f"written to {path}")
+    if not quiet:
+        print(f"written to {path}")
