@@ -423,6 +423,14 @@ def test_zero3_on_gpus_keeps_each_decoder_layer_of_an_hf_model_whole(tmp_path, w
     assert (zero.get("memory_efficient_linear") is False) is whole
     source = resolved.sources["deepspeed.zero_optimization.stage3_param_persistence_threshold"]
     assert ("each decoder layer stays whole" in source) is whole
+    # train.compile "auto" follows the layers: compiled whole (measured faster), eager sharded (measured no faster);
+    # with offload it is off before the model is checked ("not measured")
+    assert resolved.config.train.compile is whole
+    why = resolved.sources["train.compile"]
+    assert ("each decoder layer kept whole" in why) is whole
+    assert "decided when the model is checked" not in why
+    if not whole:
+        assert "sharded" in why or "not measured" in why
 
 
 def test_the_named_chat_template_a_run_trains_in_goes_with_its_exports_so_generate_chats_in_it(tmp_path):

@@ -127,10 +127,20 @@ def _blocks_gib(config: RunConfig) -> float:
     return weight_bytes(config) * config.model.n_layer * 12 * config.model.d_model ** 2 / 2**30
 
 
+# train.compile "auto" for an hf: model at ZeRO-3 until the model is checked: compiled where its decoder layers
+# stay whole (1.18x / 1.06x DDP on two H200s), eager where DeepSpeed shards them (0.95x eager, one H100).
+HF_STAGE3_COMPILE_PENDING = "ZeRO stage 3: on only where each decoder layer stays whole, decided when the model is checked"
+HF_STAGE3_SHARDED = ("ZeRO stage 3 with the decoder layers sharded: measured no faster compiled (0.95x eager, "
+                     "Qwen2.5-1.5B shape, one H100)")
+HF_STAGE3_WHOLE = ("an hf: model at ZeRO stage 3 with each decoder layer kept whole: each compiled on its own "
+                   "(measured 1.18x / 1.06x DDP on two H200s, Llama-3.2-1B / Qwen2.5-1.5B shapes)")
+
+
 def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, notes: dict[str, str]) -> None:
     """train.compile "auto": on where compiling was measured faster (docs/benchmarks.md), wherever
     DeepCompile is on, since engine.compile() is what starts it, and for an hf: model's decoder layers
-    compiled one by one at ZeRO 0-2 (1.29x eager at stage 2 on one H100; at stage 3 0.95x, so off there:
+    compiled one by one at ZeRO 0-2 (1.29x eager at stage 2 on one H100) and at ZeRO-3 where the layers
+    stay whole (decided with the model: launcher/preflight.py; sharded layers measured 0.95x, so eager there:
     docs/performance.md)."""
     if config.train.compile != "auto":
         return
@@ -155,14 +165,16 @@ def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, not
     elif hf and lora is not None and stage == 3:
         why_off = ("LoRA at ZeRO stage 3: the frozen base's decoder layers are not ZeRO-3 leaf modules, so "
                    "DeepSpeed's per-layer hooks would fall inside each compiled block")
-    elif stage == 3:
-        why_off = ("ZeRO stage 3 measured no faster compiled without DeepCompile" if not hf else
-                   "ZeRO stage 3 measured no faster with the decoder layers compiled (0.95x eager, Qwen2.5-1.5B "
-                   "shape, one H100)")
+    elif stage == 3 and not hf:
+        why_off = "ZeRO stage 3 measured no faster compiled without DeepCompile"
     elif offloaded:
         why_off = f"{offloaded[0]} was not measured"
     elif config.train.activation_checkpointing:
         why_off = "activation checkpointing was not measured"
+    elif stage == 3:
+        # Decided once the model is checked (launcher/preflight.py: _keep_blocks_whole): on where each decoder
+        # layer stays whole, off where DeepSpeed shards it.
+        why_off = HF_STAGE3_COMPILE_PENDING
     else:
         why_off = None
     config.train.compile = why_off is None

@@ -136,7 +136,18 @@ def apply_block_defaults(resolved: ResolvedConfig, facts: ModelFacts) -> None:
     """An hf: model's ZeRO-3 defaults that need the model built: each decoder layer one fetch, and kept
     whole on GPUs. `dstrain estimate` applies them too, so that it estimates what runs."""
     _fetch_blocks_whole(resolved, facts.block_class, frozen=facts.trainable < facts.params)
-    _keep_blocks_whole(resolved, facts)
+    _settle_stage3_compile(resolved, whole=_keep_blocks_whole(resolved, facts))
+
+
+def _settle_stage3_compile(resolved: ResolvedConfig, whole: bool) -> None:
+    """train.compile "auto" left pending for an hf: model at ZeRO-3 (config/speed_defaults.py): its decoder
+    layers compiled where they stay whole, eager where DeepSpeed shards them (measured no faster)."""
+    from dstrain.config.speed_defaults import HF_STAGE3_COMPILE_PENDING, HF_STAGE3_SHARDED, HF_STAGE3_WHOLE
+    if resolved.sources.get("train.compile") != f"auto: off ({HF_STAGE3_COMPILE_PENDING})":
+        return
+    train = resolved.config.train
+    resolved.config = resolved.config.model_copy(update={"train": train.model_copy(update={"compile": whole})})
+    resolved.sources["train.compile"] = f"auto: on ({HF_STAGE3_WHOLE})" if whole else f"auto: off ({HF_STAGE3_SHARDED})"
 
 
 def _decide_loss_chunking(resolved: ResolvedConfig, chunked: bool, note: str | None, why: str | None) -> None:
@@ -184,28 +195,29 @@ def _fetch_blocks_whole(resolved: ResolvedConfig, block_class: str | None, froze
         f"dstrain default for hf: models at stage 3: a {block_class.rsplit('.', 1)[-1]} is one ZeRO-3 fetch"
 
 
-def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> None:
+def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> bool:
     """ZeRO-3 on GPUs without offload, an hf: model whose decoder layers are leaf modules (above): keep
     each layer's parameters whole on every rank (persistence threshold: the layer's largest weight) and
     torch's linear, as dstrain/config/speed_defaults.py does for the built-in GPT: DeepSpeed's per-layer
     fetch and release in Python then stop pacing the step, and dstrain's ZeRO-3 step removes the layers'
     hooks (speedups/zero3_unhook.py). Gradients and optimizer states stay sharded; every GPU holds the
     layers' 16-bit weights. On one GPU at any size (one rank's shard is the whole model anyway), on several
-    up to SMALL_GPT_PARAMS parameters. Only where the preset's values stand (the user set none of the keys)."""
+    up to SMALL_GPT_PARAMS parameters. Only where the preset's values stand (the user set none of the keys).
+    True where it kept them whole."""
     from dstrain.config.speed_defaults import SMALL_GPT_PARAMS, WHOLE_BLOCK_KEYS, ZERO, weight_bytes
     zero = resolved.ds_config.get("zero_optimization")
     if resolved.accelerator != "cuda" or not facts.block_largest or not isinstance(zero, dict) or zero.get("stage") != 3:
-        return
+        return False
     leaf = zero.get("leaf_module")
     if (not isinstance(leaf, dict) or facts.block_class not in leaf.get("classes", [])
             or any((zero.get(part) or {}).get("device", "none") != "none" for part in ("offload_param", "offload_optimizer"))):
-        return
+        return False
     if any(not resolved.sources.get(f"{ZERO}.{key}", "default").startswith(("preset ", "default"))
            for key in WHOLE_BLOCK_KEYS):
-        return  # the user's choice stands
+        return False  # the user's choice stands
     world = resolved.world_size
     if world > 1 and facts.params > SMALL_GPT_PARAMS:
-        return
+        return False
     # never below the preset's: a small model's layers were whole already, and so stays its embedding
     zero["stage3_param_persistence_threshold"] = max(facts.block_largest, zero.get("stage3_param_persistence_threshold", 0))
     zero["memory_efficient_linear"] = False
@@ -214,6 +226,7 @@ def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> None:
         f"dstrain default for hf: models under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each decoder layer stays whole "
         f"on every rank ({weight_bytes(resolved.config) * facts.block_params / 2**30:.1f} GiB of weights a GPU; set 100000 to shard them)")
     resolved.sources[f"{ZERO}.memory_efficient_linear"] = "dstrain default with decoder layers kept whole"
+    return True
 
 
 # train.log_to name -> (the module it needs, the pip extra that installs it); csv needs nothing.
