@@ -155,8 +155,10 @@ def test_estimate_splits_sequences_over_the_fewest_ranks_that_let_a_faster_prese
     model_dir = save_tiny_llama(tmp_path / "llama")  # 4 heads, 2 key-value heads: 2 or 4 ranks split it
 
     def plan(seq_len: int, gpus: int):
-        # tiled MLP off: its smaller activations would let these lengths fit with fewer ranks (tests/test_tiled_mlp.py)
-        sets = [f"model.name=hf:{model_dir}", f"data.seq_len={seq_len}", "train.micro_batch_size=1", "train.tiled_mlp=false"]
+        # tiled MLP and the chunked loss off: their smaller activations and logits would let these lengths fit
+        # with fewer ranks (tests/test_tiled_mlp.py)
+        sets = [f"model.name=hf:{model_dir}", f"data.seq_len={seq_len}", "train.micro_batch_size=1",
+                "train.tiled_mlp=false", "train.loss_chunking=false"]
         return make_plan(None, sets, None, gpus, 1, 80, 512, "cuda")
 
     long = plan(2**24, 4)  # 16M tokens: stage1's activations and logits need ~100 GiB on one GPU, half on two

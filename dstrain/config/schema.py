@@ -20,6 +20,9 @@ TILED_MLP_MIN_TOKENS = 8192
 # From this vocabulary size the estimate says what micro batch train.loss_chunking lets fit (and a model's
 # own "auto" chunking starts: CausalLM(chunking="auto"), GPT(loss_chunk=...)); smaller logits cost little.
 LOSS_CHUNKING_MIN_VOCAB = 32_768
+# train.loss_chunking "auto" is on from this many tokens a sequence (data.seq_len): there the whole logits
+# are gigabytes a rank and attention, not the head, sets the step's time.
+LOSS_CHUNKING_MIN_SEQ_LEN = 16_384
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # torch's Adam rejects betas outside [0, 1)
 
 
@@ -238,8 +241,9 @@ class TrainConfig(Section):
     deepspeed.compile.deepcompile is on (set it true to have it; dstrain leaves it off: eager ZeRO-3 with
     dstrain's step ran as fast); off otherwise (ZeRO-3 without DeepCompile measured no faster compiled;
     set true to compile your own model). An "hf:" model is compiled region by region, each decoder layer
-    on its own (the rest eager); "auto" turns that on in bf16 on CUDA at ZeRO 0-2 without offload or
-    activation checkpointing (1.25x torch eager at stage 2 on a 1.5B; stage 3 measured no faster;
+    on its own (the rest eager); "auto" turns that on in bf16 on CUDA without offload or activation
+    checkpointing at ZeRO 0-2 (1.25x torch eager at stage 2 on a 1.5B) and at ZeRO-3 where dstrain keeps
+    the decoder layers whole (1.06-1.18x DDP on two GPUs; sharded layers measured no faster;
     docs/performance.md)."""
     loss_chunking: bool | Literal["auto"] = "auto"
     """The LM head and its cross-entropy computed train.loss_chunk_tokens tokens at a time
@@ -247,8 +251,9 @@ class TrainConfig(Section):
     memory for large vocabularies, the same loss and gradients as torch's lm_head + cross_entropy up to
     rounding. For the built-in GPT and "hf:" models whose forward dstrain can split into the decoder body and
     the head (Llama, Qwen2, Mistral, GPT-2, ...; others keep their own loss, with a note); your own model
-    computes its loss itself. "auto": off (on one H100 it saved 10-23% of the peak memory at a 151,936-token
-    vocabulary for 3-7% of the speed: set true where memory binds; `dstrain estimate` shows the larger
+    computes its loss itself. "auto": on for sequences of LOSS_CHUNKING_MIN_SEQ_LEN (16,384) tokens or more,
+    off for shorter ones (on one H100 it saved 10-23% of the peak memory at a 151,936-token vocabulary for
+    3-7% of the speed at 2,048 tokens: set true where memory binds; `dstrain estimate` shows the larger
     micro batch it fits). Not in fp16 (the gradients are formed before the loss scale applies; true there
     is an error); false: the whole logits."""
     loss_chunk_tokens: PositiveInt = 1024

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dstrain.config.layers import PRESET_RANK, Merged
-from dstrain.config.schema import RunConfig
+from dstrain.config.schema import LOSS_CHUNKING_MIN_SEQ_LEN, RunConfig
 from dstrain.errors import Problem
 
 # The built-in GPT's transformer block (dstrain.models.gpt.Block), named here without importing torch.
@@ -229,8 +229,8 @@ def compile_warnings(config: RunConfig, ds: dict[str, Any], merged: Merged, warn
 
 
 def resolve_loss_chunking(config: RunConfig, merged: Merged, notes: dict[str, str], problems: list[Problem]) -> None:
-    """train.loss_chunking: "auto" is off (measured slower where the whole logits fit; true where memory
-    binds). true on a model entry point is an error; true on an "hf:" model whose forward dstrain cannot
+    """train.loss_chunking: "auto" is on for long sequences (LOSS_CHUNKING_MIN_SEQ_LEN), off for shorter ones
+    (measured slower where the whole logits fit; true where memory binds). true on a model entry point is an error; true on an "hf:" model whose forward dstrain cannot
     split keeps its own loss, with a note (decided once the model is checked, before any rank starts)."""
     name, chosen = config.model.name, config.train.loss_chunking
     builtin_or_hf = name == "gpt" or name.startswith("hf:")
@@ -256,10 +256,18 @@ def resolve_loss_chunking(config: RunConfig, merged: Merged, notes: dict[str, st
     config.train.loss_chunking = False
     if not builtin_or_hf:
         notes["train.loss_chunking"] = "auto: off (your own model computes its own loss)"
+    elif config.data.seq_len >= LOSS_CHUNKING_MIN_SEQ_LEN:
+        # At long sequences the whole fp32 logits are gigabytes a rank (16 GiB at 131,072 tokens x 32,000), and
+        # attention sets the step's time: TRL's fused LM head trained 262,144-token sequences at its plain
+        # Accelerate peer's speed with half its memory (results/2026-11-26-h200x2-long-context-peers/).
+        config.train.loss_chunking = True
+        notes["train.loss_chunking"] = (
+            f"auto: on ({config.data.seq_len:,} tokens a sequence >= {LOSS_CHUNKING_MIN_SEQ_LEN:,}: the whole logits "
+            "would cost gigabytes a rank)")
     else:
         # Measured on one H100 (docs/performance.md): speed first where the run fits; the estimate and the
         # out-of-memory message point to true where memory binds.
         notes["train.loss_chunking"] = (
-            "auto: off (measured 0.93-0.97x the tokens/s for 10-23% less peak GPU memory at a 151,936-token "
-            "vocabulary, and no saving on a compiled 406M GPT; set true where memory binds: `dstrain estimate` "
-            "shows the larger micro batch it fits)")
+            f"auto: off under {LOSS_CHUNKING_MIN_SEQ_LEN:,} tokens a sequence (measured 0.93-0.97x the tokens/s for "
+            "10-23% less peak GPU memory at a 151,936-token vocabulary, and no saving on a compiled 406M GPT; set "
+            "true where memory binds: `dstrain estimate` shows the larger micro batch it fits)")

@@ -153,11 +153,12 @@ def _settle_stage3_compile(resolved: ResolvedConfig, whole: bool) -> None:
 def _decide_loss_chunking(resolved: ResolvedConfig, chunked: bool, note: str | None, why: str | None) -> None:
     """train.loss_chunking as the model built on the meta device took it: true on an hf: model whose forward
     dstrain cannot split becomes false in the config the ranks get (it keeps its own loss, with a note)."""
-    if note:
+    automatic = resolved.sources.get("train.loss_chunking", "").startswith("auto")
+    if note and not automatic:  # asked for by the user: say why it does not apply
         resolved.warnings.append(note)
     train = resolved.config.train
     if train.loss_chunking != chunked:
-        was = train.loss_chunking
+        was = "auto" if automatic else train.loss_chunking
         resolved.config = resolved.config.model_copy(update={"train": train.model_copy(update={"loss_chunking": chunked})})
         resolved.sources["train.loss_chunking"] = f"{was}: {'on' if chunked else 'off'} for this model ({why})"
 
