@@ -127,8 +127,8 @@ def _blocks_gib(config: RunConfig) -> float:
     return weight_bytes(config) * config.model.n_layer * 12 * config.model.d_model ** 2 / 2**30
 
 
-# train.compile "auto" for an hf: model at ZeRO-3 until the model is checked: compiled where its decoder layers
-# stay whole (1.18x / 1.06x DDP on two H200s), eager where DeepSpeed shards them (0.95x eager, one H100).
+# train.compile "auto" for an hf: model at ZeRO-3 until the model is checked: compiled where its decoder
+# layers stay whole (1.18x / 1.06x DDP on two H200s), eager where DeepSpeed shards them (0.95x, one H100).
 HF_STAGE3_COMPILE_PENDING = "ZeRO stage 3: on only where each decoder layer stays whole, decided when the model is checked"
 HF_STAGE3_SHARDED = ("ZeRO stage 3 with the decoder layers sharded: measured no faster compiled (0.95x eager, "
                      "Qwen2.5-1.5B shape, one H100)")
@@ -229,9 +229,10 @@ def compile_warnings(config: RunConfig, ds: dict[str, Any], merged: Merged, warn
 
 
 def resolve_loss_chunking(config: RunConfig, merged: Merged, notes: dict[str, str], problems: list[Problem]) -> None:
-    """train.loss_chunking: "auto" is on for long sequences (LOSS_CHUNKING_MIN_SEQ_LEN), off for shorter ones
-    (measured slower where the whole logits fit; true where memory binds). true on a model entry point is an error; true on an "hf:" model whose forward dstrain cannot
-    split keeps its own loss, with a note (decided once the model is checked, before any rank starts)."""
+    """train.loss_chunking: "auto" is on for long sequences (LOSS_CHUNKING_MIN_SEQ_LEN), off for shorter
+    ones (measured slower where the whole logits fit; true where memory binds). true on a model entry point
+    is an error; true on an "hf:" model whose forward dstrain cannot split keeps its own loss, with a note
+    (decided once the model is checked, before any rank starts)."""
     name, chosen = config.model.name, config.train.loss_chunking
     builtin_or_hf = name == "gpt" or name.startswith("hf:")
     if chosen is True and not builtin_or_hf:
