@@ -64,7 +64,8 @@ def estimate(args, preset: str, n_layer: int, hardware) -> dict:
     from dstrain.tools.estimate import memory as E
     from dstrain.config.resolve import resolve
     from dstrain.models import count_model, model_builder
-    from dstrain.tools.estimate.planner import checkpointing_decision, workload
+    from dstrain.tools.estimate.memory import workload
+    from dstrain.tools.estimate.planner import checkpointing_decision
     resolved = resolve(preset, None, shape_sets(args, preset, n_layer), world_size=1, accelerator=args.accelerator,
                        env={})
     cfg = resolved.config

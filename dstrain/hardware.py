@@ -30,6 +30,22 @@ def default_ranks_per_node(accelerator: str) -> int:
     return 2 if (os.cpu_count() or 1) >= 2 else 1
 
 
+def cuda_gpu_memory_bytes() -> int | None:
+    """The smallest NVIDIA GPU's memory on this host in bytes, from nvidia-smi (no CUDA context in this
+    process, which would hold GPU memory while the ranks run); None where no GPU or nvidia-smi answers."""
+    import shutil
+    import subprocess
+    if not cuda_gpu_count() or not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        mib = [int(line.strip()) for line in out.splitlines() if line.strip().isdigit()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(mib) * 2**20 if mib else None
+
+
 def host_memory_bytes() -> tuple[int, int]:
     """(total, available) host RAM in bytes, from /proc/meminfo."""
     fields = {}

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dstrain.config.resolve import resolve
-from dstrain.config.speed_defaults import GPT_ZERO3_LEAF
+from dstrain.config.speed_defaults import GPT_ZERO3_LEAF, SMALL_GPT_PARAMS
 from dstrain.hardware import dense_bf16_peak_tflops
 
 SMALL = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.vocab_size=256", "data.seq_len=32"]
@@ -89,6 +89,59 @@ def test_stage3_keeps_its_shards_elsewhere(preset, sets, accelerator, threshold,
     zero = resolve(preset, None, sets, world_size=2, accelerator=accelerator, env={}).ds_config["zero_optimization"]
     assert zero["stage3_param_persistence_threshold"] == threshold
     assert zero.get("memory_efficient_linear") == linear
+
+
+GPT_3_78B = ["model.n_layer=32", "model.d_model=3072", "model.n_head=24", "model.vocab_size=50304", "data.seq_len=2048",
+             "train.micro_batch_size=2"]
+
+
+@pytest.mark.parametrize("gpu_gib, world, whole", [
+    (80, 4, True), (80, 2, True),  # estimated 41 / 54 GiB a GPU with the blocks whole: under 85% of 80
+    (40, 4, False),  # 41 GiB would not fit: the blocks stay split, as DeepSpeed renders them
+    (None, 4, False),  # no GPU on the launching host: nothing known, nothing changed
+    (80, 1, False),  # one GPU: speed_defaults keeps them whole already (a rank's shard is the whole model)
+])
+def test_a_large_gpts_blocks_stay_whole_where_the_estimate_says_they_fit(gpu_gib, world, whole):
+    from dstrain.launcher.preflight import LARGE_GPT_WHOLE_MAX_SHARE, keep_large_gpt_blocks_whole
+    from dstrain.tools.estimate import memory as E
+    from dstrain.tools.estimate.memory import workload
+    resolved = resolve("stage3", None, GPT_3_78B, world_size=world, accelerator="cuda", env={})
+    params = 50304 * 3072 + 2048 * 3072 + 32 * 12 * 3072 ** 2
+    assert params > SMALL_GPT_PARAMS
+    before = dict(resolved.ds_config["zero_optimization"])
+    assert keep_large_gpt_blocks_whole(resolved, params, gpu_gib and gpu_gib * 2**30) is whole
+    zero = resolved.ds_config["zero_optimization"]
+    if not whole:
+        assert zero == before
+        return
+    assert zero["stage3_param_persistence_threshold"] == 4 * 3072 ** 2 and zero["memory_efficient_linear"] is False
+    note = resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"]
+    assert "each block stays whole" in note and f"of {gpu_gib} GiB" in note
+    # what the note gives as the estimate is the estimate of what now runs, under the share
+    hw = E.Hardware(gpus_per_node=world, nodes=1, gpu_mem_bytes=gpu_gib * 2**30, cpu_mem_bytes=256 * 2**30)
+    work = workload(resolved.config, resolved.ds_config, params, 50304 * 3072, False)
+    peak = E.estimate_one("stage3", E.placement_from_ds_config(resolved.ds_config), work, hw).gpu_bytes_per_gpu
+    assert f"estimated peak {peak / 2**30:.1f} of" in note and peak <= LARGE_GPT_WHOLE_MAX_SHARE * gpu_gib * 2**30
+
+
+def test_a_large_gpts_blocks_stay_split_where_the_user_chose():
+    from dstrain.launcher.preflight import keep_large_gpt_blocks_whole
+    params = 50304 * 3072 + 2048 * 3072 + 32 * 12 * 3072 ** 2
+    for extra in ([f"{ZERO}.stage3_param_persistence_threshold=200000"], [f"{ZERO}.memory_efficient_linear=true"]):
+        resolved = resolve("stage3", None, GPT_3_78B + extra, world_size=4, accelerator="cuda", env={})
+        assert keep_large_gpt_blocks_whole(resolved, params, 80 * 2**30) is False
+    offload = resolve("stage3_offload", None, GPT_3_78B, world_size=4, accelerator="cuda", env={})
+    assert keep_large_gpt_blocks_whole(offload, params, 80 * 2**30) is False  # with offload: not measured
+
+
+def test_the_estimate_plans_what_a_run_on_those_gpus_renders():
+    from dstrain.tools.estimate.planner import make_plan
+    shape = GPT_3_78B
+    big = next(e for e in make_plan(None, shape, None, 4, 1, 80, 256, "cuda").estimates if e.name == "stage3")
+    small = next(e for e in make_plan(None, shape, None, 4, 1, 40, 256, "cuda").estimates if e.name == "stage3")
+    assert big.placement.stage3_param_persistence_threshold == 4 * 3072 ** 2  # whole where they fit
+    assert small.placement.stage3_param_persistence_threshold == 100000  # split where they would not
+    assert big.gpu_bytes_per_gpu > small.gpu_bytes_per_gpu
 
 
 def test_the_estimate_counts_whole_blocks_on_every_gpu():

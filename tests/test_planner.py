@@ -17,11 +17,16 @@ def _estimate_json(*args: str) -> dict:
 
 
 def test_estimate_7b_on_8_gpus_lists_six_presets_within_the_zero_paper_band():
-    report = _estimate_json("--params", "7e9", "--gpus", "8", "--nodes", "1")
+    report = _estimate_json("--params", "7e9", "--gpus", "8", "--nodes", "1", "--gpu-mem", "80")
     presets = {p["name"]: p for p in report["presets"]}
     assert list(presets) == ["stage1", "stage2", "stage3", "stage2_offload", "stage3_offload", "stage3_nvme"]
+    # stage3 keeps the blocks' 16-bit weights whole where they fit (launcher/preflight.keep_large_gpt_blocks_whole):
+    # the paper's layout plus those weights less their shard
+    stage3 = presets["stage3"]
+    whole = stage3["gpu_breakdown"]["model_states"].get("params_persistent", 0)
+    assert stage3["placement"]["stage3_param_persistence_threshold"] > 100_000 and whole > 0.5 * 2 * P * (1 - 1 / N)
     for name, paper in ZERO_PAPER.items():
-        ratio = presets[name]["gpu_bytes_per_gpu"] / paper
+        ratio = (presets[name]["gpu_bytes_per_gpu"] - (whole if name == "stage3" else 0)) / paper
         assert 0.8 <= ratio <= 1.6, (name, ratio)
     assert presets["stage3_offload"]["gpu_bytes_per_gpu"] < presets["stage3"]["gpu_bytes_per_gpu"] / 4
     assert presets["stage3_offload"]["cpu_bytes_per_node"] >= 16 * P

@@ -273,7 +273,7 @@ def test_the_estimate_counts_one_mlp_shard_and_offloaded_checkpoints():
 
 
 def test_the_planner_takes_both_switches_from_the_config():
-    from dstrain.tools.estimate.planner import workload
+    from dstrain.tools.estimate.memory import workload
     resolved = resolve("stage2", None, ["model.name=hf:some/model", "data.seq_len=16384",
                                         "train.activation_checkpointing=true",
                                         "train.activation_checkpointing_offload=true", "train.tiled_mlp_shards=4"],

@@ -19,7 +19,8 @@ GPT_ZERO3_LEAF = "dstrain.models.gpt.Block"
 
 # The built-in GPT's size up to which ZeRO-3 keeps every block whole on several ranks: its 16-bit
 # weights then cost at most 6 GB a GPU more than their shard. Measured faster on two GPUs at 406M,
-# 1.3B and 2.65B (docs/benchmarks.md, findings 30 and 44); past 3B the shards are what stage 3 is for.
+# 1.3B and 2.65B (docs/benchmarks.md, findings 30 and 44). Past 3B they stay whole only where the memory
+# estimate says they fit the job's GPUs, decided at launch (launcher/preflight.keep_large_gpt_blocks_whole).
 SMALL_GPT_PARAMS = 3_000_000_000
 
 ZERO = "deepspeed.zero_optimization"
@@ -57,7 +58,7 @@ def deepcompile_on(ds: dict[str, Any]) -> bool:
     return isinstance(section, dict) and section.get("deepcompile") is True
 
 
-def _zero3_without_offload(zero: Any) -> bool:
+def zero3_without_offload(zero: Any) -> bool:
     return (isinstance(zero, dict) and zero.get("stage") == 3
             and all((zero.get(part) or {}).get("device", "none") == "none"
                     for part in ("offload_param", "offload_optimizer")))
@@ -76,7 +77,7 @@ def _render_deepcompile(ds: dict[str, Any], config: RunConfig, merged: Merged, a
     weights on CUDA, no offload, no activation checkpointing; several GPUs were not measured)."""
     if not (config.model.name == "gpt" and accelerator == "cuda" and world == 1 and config.train.precision == "bf16"
             and config.train.mixed_precision != "autocast" and config.train.compile is not False
-            and not config.train.activation_checkpointing and _zero3_without_offload(ds.get("zero_optimization"))):
+            and not config.train.activation_checkpointing and zero3_without_offload(ds.get("zero_optimization"))):
         return
     if merged.source_of("deepspeed.compile.deepcompile").rank > PRESET_RANK:
         return  # the user's choice stands
@@ -98,9 +99,9 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
     blocks' 16-bit weights whole. On two H200s whole blocks took stage3 from 0.82-1.03 to 1.09-1.11 of DDP
     at 1.3B and from 0.96-1.01 to 1.09 at 2.65B, for 0.6 and 2.9 GiB more peak memory (finding 44).
     Only where the user set none of the keys, on GPUs, without offload (not measured there), up to 3B
-    parameters on several GPUs, or at any size on one GPU, where one rank's shard is the whole model
-    anyway (1.3B: 1.07-1.09x, the same peak memory)."""
-    if not (config.model.name == "gpt" and accelerator == "cuda" and _zero3_without_offload(zero)):
+    parameters on several GPUs (past that: launcher/preflight.keep_large_gpt_blocks_whole), or at any size
+    on one GPU, where one rank's shard is the whole model anyway (1.3B: 1.07-1.09x, the same peak memory)."""
+    if not (config.model.name == "gpt" and accelerator == "cuda" and zero3_without_offload(zero)):
         return
     if any(merged.source_of(f"{ZERO}.{key}").rank > PRESET_RANK for key in WHOLE_BLOCK_KEYS):
         return  # the user's choice stands
@@ -113,7 +114,7 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
     notes[f"{ZERO}.stage3_param_persistence_threshold"] = (
         "dstrain default on one GPU: each block stays whole" if world == 1 else
         f"dstrain default for a built-in GPT under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each block stays whole "
-        f"on every rank ({_blocks_gib(config):.1f} GiB of weights a GPU; set 100000 to shard them, as DeepSpeed would)")
+        f"on every rank ({blocks_gib(config):.1f} GiB of weights a GPU; set 100000 to shard them, as DeepSpeed would)")
     notes[f"{ZERO}.memory_efficient_linear"] = "dstrain default with blocks kept whole"
 
 
@@ -122,7 +123,7 @@ def weight_bytes(config: RunConfig) -> int:
     return 4 if config.train.precision == "fp32" or config.train.mixed_precision == "autocast" else 2
 
 
-def _blocks_gib(config: RunConfig) -> float:
+def blocks_gib(config: RunConfig) -> float:
     """The built-in GPT's blocks' weights in GiB."""
     return weight_bytes(config) * config.model.n_layer * 12 * config.model.d_model ** 2 / 2**30
 

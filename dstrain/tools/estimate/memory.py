@@ -428,6 +428,23 @@ def _logits_bytes(work: Workload, low_bytes: int) -> int:
     return chunk * vocab * (4 + 2 * low_bytes) + vocab * work.d_model * (4 + low_bytes) + tokens * work.d_model * low_bytes
 
 
+def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpointing: bool, shape: dict | None = None):
+    """The estimate's Workload for a resolved run config whose model has `total` parameters. `shape`
+    (dstrain.models.model_shape of the built model: layers, width, heads, vocabulary, loss chunk) replaces
+    the built-in GPT's model.* fields, which an hf: model does not read."""
+    ac = ds_config.get("activation_checkpointing") or {}
+    chunk = cfg.train.loss_chunk_tokens if cfg.train.loss_chunking is True else None
+    m = cfg.model
+    fields = dict(n_layer=m.n_layer, d_model=m.d_model, n_head=m.n_head, vocab_size=m.vocab_size, loss_chunk_tokens=chunk)
+    fields.update(shape or {})
+    return Workload(params=total, largest_layer_params=largest, seq_len=cfg.data.seq_len,
+                    micro_batch=cfg.train.micro_batch_size, activation_checkpointing=activation_checkpointing,
+                    # train.activation_checkpointing_offload puts an hf: model's block inputs on the host too
+                    cpu_checkpointing=bool(ac.get("cpu_checkpointing") or cfg.train.activation_checkpointing_offload),
+                    precision=cfg.train.precision, sequence_parallel=cfg.train.sequence_parallel,
+                    tiled_mlp=cfg.train.tiled_mlp is True, tiled_mlp_shards=cfg.train.tiled_mlp_shards, **fields)
+
+
 def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) -> PresetEstimate:
     """Estimate GPU (per GPU), host (per node) and NVMe (per node) bytes for one placement.
 

@@ -13,6 +13,7 @@ from dstrain.config.schema import LOSS_CHUNKING_MIN_VOCAB
 from dstrain.config.presets import PRESET_ORDER, available
 from dstrain.config.resolve import ResolvedConfig, resolve
 from dstrain.errors import UserError
+from dstrain.tools.estimate.memory import workload
 
 GiB = 2**30
 ASSUMED_GPU_MEM_GIB = 80  # when estimating GPUs on a machine without one
@@ -93,6 +94,10 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
             block_defaults = _hf_block_defaults(base, built[0], total, largest, shape)
             for r in resolved.values():
                 block_defaults(r)
+    if base.model.name == "gpt" and hw.accelerator == "cuda":  # what a run on these GPUs renders past 3B
+        from dstrain.launcher.preflight import keep_large_gpt_blocks_whole
+        for r in resolved.values():
+            keep_large_gpt_blocks_whole(r, total, hw.gpu_mem_bytes)
     if (shape or {}).get("loss_chunk_tokens") or (shape is None and base.train.loss_chunking is True):
         notes.append(f"the LM loss runs in chunks of {base.train.loss_chunk_tokens:,} tokens (train.loss_chunking): "
                      "the logits are estimated per chunk")
@@ -180,25 +185,6 @@ def micro_batch_note(name: str, estimates: list, work, hw, chunk_tokens: int) ->
     on = "on" if work.loss_chunk_tokens is not None else "off"
     return (f"{name}: micro batch up to {chunked} fits with the LM loss in chunks, {whole} with the whole logits "
             f"(train.loss_chunking, {on} in this run; its micro batch: {work.micro_batch})")
-
-
-def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpointing: bool, shape: dict | None = None):
-    """The estimate's Workload for a resolved run config whose model has `total` parameters. `shape`
-    (dstrain.models.model_shape of the built model: layers, width, heads, vocabulary, loss chunk) replaces
-    the built-in GPT's model.* fields, which an hf: model does not read."""
-    from dstrain.tools.estimate import memory as E
-
-    ac = ds_config.get("activation_checkpointing") or {}
-    chunk = cfg.train.loss_chunk_tokens if cfg.train.loss_chunking is True else None
-    m = cfg.model
-    fields = dict(n_layer=m.n_layer, d_model=m.d_model, n_head=m.n_head, vocab_size=m.vocab_size, loss_chunk_tokens=chunk)
-    fields.update(shape or {})
-    return E.Workload(params=total, largest_layer_params=largest, seq_len=cfg.data.seq_len,
-                      micro_batch=cfg.train.micro_batch_size, activation_checkpointing=activation_checkpointing,
-                      # train.activation_checkpointing_offload puts an hf: model's block inputs on the host too
-                      cpu_checkpointing=bool(ac.get("cpu_checkpointing") or cfg.train.activation_checkpointing_offload),
-                      precision=cfg.train.precision, sequence_parallel=cfg.train.sequence_parallel,
-                      tiled_mlp=cfg.train.tiled_mlp is True, tiled_mlp_shards=cfg.train.tiled_mlp_shards, **fields)
 
 
 def checkpointing_decision(cfg, ds_config: dict, total: int, largest: int, hw,
