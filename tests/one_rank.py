@@ -35,7 +35,7 @@ TESTS = Path(__file__).parent
 def rank_env(accelerator: str, extra: dict | None = None) -> dict:
     """This process's environment for a rank on `accelerator`, with `extra` added; its ops build in this
     environment's own cache for that accelerator, as dstrain's ranks do."""
-    from dstrain.launcher.env_fixes import use_private_op_cache
+    from dstrain.op_cache import use_private_op_cache
     env = {**os.environ, **(extra or {}), "DS_ACCELERATOR": accelerator}
     use_private_op_cache(env, accelerator)
     return env

@@ -14,8 +14,8 @@ import pytest
 from rich.console import Console
 
 from dstrain.tools import doctor
-from dstrain.launcher.env_fixes import (bytecode_cache_dir, op_cache_key, private_op_cache, sanitize_cuda_arch_list,
-                                        stale_extension_locks, use_private_op_cache)
+from dstrain.launcher.env_fixes import bytecode_cache_dir, sanitize_cuda_arch_list, stale_extension_locks
+from dstrain.op_cache import op_cache_key, private_op_cache, use_private_op_cache
 
 ARCH = "TORCH_CUDA_ARCH_LIST"
 

@@ -260,9 +260,14 @@ def test_pdsh_nodes_train_on_the_run_directorys_settings_not_their_environment(t
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--run-dir", str(run_dir)]
     for item in (*TINY, "train.max_steps=2", "train.log_every=1", "train.eval_every=2", "train.save_every=2"):
         args += ["--set", item]
+    # torch's shared op folder, where a node without TORCH_EXTENSIONS_DIR would build (and rebuild) its ops
+    shared_ops = Path(os.environ["HOME"]) / ".cache" / "torch_extensions"
+    started = time.time()
     result = subprocess.run([sys.executable, "-m", "dstrain.cli", *args], env=env, capture_output=True, text=True,
                             timeout=600)
     assert_ok(result)
+    # each rank pointed itself at dstrain's own op cache: nothing of the run went to the shared folder
+    assert max((f.stat().st_mtime for f in shared_ops.rglob("*")), default=0.0) < started
     pdsh = log.read_text().splitlines()[-1]
     exported = {part.split("=")[0] for part in pdsh.split("export ")[1:]}
     assert exported and all(name.startswith(("PYTHON", "MLFLOW", "MV2", "UCX", "NCCL")) for name in exported), pdsh

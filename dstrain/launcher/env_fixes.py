@@ -6,8 +6,6 @@ no torch or deepspeed at module level.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import sys
@@ -75,68 +73,6 @@ def torch_extensions_dir(env: Mapping[str, str] | None = None) -> Path:
         return Path(env["TORCH_EXTENSIONS_DIR"])
     cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "torch_extensions"
-
-
-OP_CACHE_VAR = "TORCH_EXTENSIONS_DIR"
-
-
-def op_cache_key(accelerator: str) -> dict[str, str]:
-    """What an op build depends on beyond its name: the Python environment, the torch and DeepSpeed
-    versions, and the accelerator (DeepSpeed names an op's CPU and CUDA builds alike: fused_adam)."""
-    from importlib import metadata
-
-    def version(package: str) -> str:
-        try:
-            return metadata.version(package)
-        except metadata.PackageNotFoundError:
-            return "none"
-    return {"environment": os.path.realpath(sys.prefix), "python": sys.version.split()[0],
-            "torch": version("torch"), "deepspeed": version("deepspeed"), "accelerator": accelerator}
-
-
-def private_op_cache(env: Mapping[str, str], accelerator: str) -> Path:
-    """This environment's own folder for torch's JIT op builds: ~/.cache/dstrain/torch_extensions/<key>.
-
-    torch keys a JIT build by the op's name alone, so two Python environments with the same torch shared
-    ~/.cache/torch_extensions and each rewrote the other's build files: every start rebuilt the ops
-    (142-193 s of imports and 455 s to the first step in a newcomer's venv, against 15-18 s with its own
-    folder; issue 38). A CPU rank on a GPU host likewise loaded the CUDA fused_adam a GPU run had built.
-    """
-    key = op_cache_key(accelerator)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "dstrain" / "torch_extensions" / f"{accelerator}-{digest}"
-
-
-def op_cache(env: Mapping[str, str], accelerator: str) -> tuple[Path, bool]:
-    """(the folder op builds go to, whether it is dstrain's private one): TORCH_EXTENSIONS_DIR when the
-    user set it, else private_op_cache."""
-    if env.get(OP_CACHE_VAR):
-        return Path(env[OP_CACHE_VAR]), False
-    return private_op_cache(env, accelerator), True
-
-
-def use_private_op_cache(env: dict[str, str], accelerator: str) -> Path:
-    """Point `env` (the ranks' environment, or this process's) at the op cache; a TORCH_EXTENSIONS_DIR
-    the user set is kept. The folder records what it is keyed by (environment.json), for `doctor`."""
-    folder, private = op_cache(env, accelerator)
-    if private:
-        env[OP_CACHE_VAR] = str(folder)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            record = folder / "environment.json"
-            if not record.exists():
-                record.write_text(json.dumps(op_cache_key(accelerator), indent=2) + "\n")
-        except OSError:
-            pass  # torch creates it at the first build, or says why it cannot
-    return folder
-
-
-def built_ops(folder: Path) -> list[str]:
-    """The ops built in an op cache folder: each subfolder holding its loadable .so."""
-    if not folder.is_dir():
-        return []
-    return sorted(d.name for d in folder.iterdir() if d.is_dir() and (d / f"{d.name}.so").is_file())
 
 
 def stale_extension_locks(ext_dir: Path | None = None, older_than_s: float = 600) -> list[Path]:

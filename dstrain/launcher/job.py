@@ -23,7 +23,8 @@ from dstrain.errors import UserError
 from dstrain.hangs import hang_timeout_s
 from dstrain.hardware import resolve_accelerator
 from dstrain.launcher import early_start
-from dstrain.launcher.env_fixes import use_bytecode_cache, use_private_op_cache
+from dstrain.launcher.env_fixes import use_bytecode_cache
+from dstrain.op_cache import use_private_op_cache
 from dstrain.launcher.preflight import check_runtime, clear_stale_build_locks
 from dstrain.launcher.options import LaunchOptions
 from dstrain.launcher.ownership import current_holder, multi_node_job_id

@@ -98,7 +98,8 @@ def per_node_launch_command(o: LaunchOptions, world_info: dict[str, list], node_
 
 
 def rank_env(accelerator: str, ranks: int) -> dict[str, str]:
-    from dstrain.launcher.env_fixes import sanitize_cuda_arch_list, use_private_op_cache
+    from dstrain.launcher.env_fixes import sanitize_cuda_arch_list
+    from dstrain.op_cache import use_private_op_cache
     env, note = sanitize_cuda_arch_list(os.environ)
     if note:
         Console(stderr=True).print(f"[yellow]note:[/] {note}")

@@ -117,6 +117,10 @@ def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
     # `dstrain run` sets it, but pdsh, mpirun and srun pass other nodes only some variables, and a node's
     # own environment may say otherwise: the run directory decides, the same on every node.
     os.environ["DS_ACCELERATOR"] = launch.accelerator
+    # Likewise the op cache: without it a node's DeepSpeed builds its ops into torch's shared folder, where
+    # another Python environment's builds of the same names replace them (each start rebuilds).
+    from dstrain.op_cache import use_private_op_cache
+    use_private_op_cache(os.environ, launch.accelerator)
     if launch.mode == "eval":  # `dstrain eval`
         for sig in previous_handlers:  # nothing to save: a stop request (SIGINT too) ends it, no traceback
             signal.signal(sig, signal.SIG_DFL)

@@ -32,8 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 import dstrain
-from dstrain.launcher.env_fixes import (ARCH_LIST_VAR, built_ops, bytecode_cache_dir, op_cache, op_cache_key,
-                                        sanitize_cuda_arch_list, stale_extension_locks, torch_package)
+from dstrain.launcher.env_fixes import (ARCH_LIST_VAR, bytecode_cache_dir, sanitize_cuda_arch_list,
+                                        stale_extension_locks, torch_package)
+from dstrain.op_cache import built_ops, op_cache, op_cache_key
 
 # The ops dstrain's features rely on, and what each is for.
 KEY_OPS = {
