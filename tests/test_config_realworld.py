@@ -193,10 +193,10 @@ def test_axolotls_zero_values_are_kept_as_written():
     assert (zero["sub_group_size"], zero["max_live_parameters"], zero["max_reuse_distance"]) == (0, 0, 0)
 
 
-# One file per ZeRO stage and offload kind, each trained 2 steps on 2 CPU ranks by the real launcher.
+# One file per ZeRO stage 2-3 placement with offload, and plain stage 3, each trained 2 steps on 2 CPU ranks by
+# the real launcher. Stages 1 and 2 without offload are left to the presets' runs (tests/test_run.py): their
+# files differ from the presets in values the fast tests above resolve, not in what the ranks build.
 TRAINED_SAMPLE = [
-    "axolotl__zero1.json",  # stage 1 (stage 0 resolves the same way and adds nothing ZeRO-specific)
-    "llava__scripts_zero2.json",  # stage 2
     "llamafactory__ds_z2_offload_config.json",  # stage 2, optimizer on the CPU
     "llamafactory__ds_z3_config.json",  # stage 3
     "axolotl__zero3_bf16_cpuoffload_all.json",  # stage 3, parameters and optimizer on the CPU; 0 sizes
