@@ -31,18 +31,35 @@ def default_ranks_per_node(accelerator: str) -> int:
 
 
 def cuda_gpu_memory_bytes() -> int | None:
-    """The smallest NVIDIA GPU's memory on this host in bytes, from nvidia-smi (no CUDA context in this
-    process, which would hold GPU memory while the ranks run); None where no GPU or nvidia-smi answers."""
+    """The smallest visible NVIDIA GPU's memory on this host in bytes, from nvidia-smi (no CUDA context in
+    this process, which would hold GPU memory while the ranks run). None where no GPU or nvidia-smi answers,
+    or a GPU is split into MIG slices (nvidia-smi gives the whole card's memory, not a slice's)."""
     import shutil
     import subprocess
     if not cuda_gpu_count() or not shutil.which("nvidia-smi"):
         return None
+    query = ["nvidia-smi", "--query-gpu=memory.total,mig.mode.current", "--format=csv,noheader,nounits"]
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible and all(v.isdigit() for v in visible):  # indices; UUIDs and MIG names: every GPU (the smallest)
+        query.append(f"--id={','.join(visible)}")
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        mib = [int(line.strip()) for line in out.splitlines() if line.strip().isdigit()]
-    except (OSError, subprocess.SubprocessError, ValueError):
+        out = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
         return None
+    return smallest_gpu_memory(out)
+
+
+def smallest_gpu_memory(nvidia_smi_csv: str) -> int | None:
+    """Bytes of the smallest GPU in `nvidia-smi --query-gpu=memory.total,mig.mode.current` output (MiB,
+    one line a GPU); None where a line is unreadable or MIG is on."""
+    mib = []
+    for line in nvidia_smi_csv.splitlines():
+        if not line.strip():
+            continue
+        total, _, mig = (part.strip() for part in line.partition(","))
+        if not total.isdigit() or mig.lower() == "enabled":
+            return None
+        mib.append(int(total))
     return min(mib) * 2**20 if mib else None
 
 

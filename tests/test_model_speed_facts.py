@@ -3,6 +3,7 @@ ZeRO-3 fetch unit dstrain renders for the built-in GPT, and a pre-launch model c
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -109,7 +110,7 @@ def test_a_large_gpts_blocks_stay_whole_where_the_estimate_says_they_fit(gpu_gib
     params = 50304 * 3072 + 2048 * 3072 + 32 * 12 * 3072 ** 2
     assert params > SMALL_GPT_PARAMS
     before = dict(resolved.ds_config["zero_optimization"])
-    assert keep_large_gpt_blocks_whole(resolved, params, gpu_gib and gpu_gib * 2**30) is whole
+    assert keep_large_gpt_blocks_whole(resolved, params, lambda: gpu_gib and gpu_gib * 2**30) is whole
     zero = resolved.ds_config["zero_optimization"]
     if not whole:
         assert zero == before
@@ -124,14 +125,43 @@ def test_a_large_gpts_blocks_stay_whole_where_the_estimate_says_they_fit(gpu_gib
     assert f"estimated peak {peak / 2**30:.1f} of" in note and peak <= LARGE_GPT_WHOLE_MAX_SHARE * gpu_gib * 2**30
 
 
-def test_a_large_gpts_blocks_stay_split_where_the_user_chose():
+def test_a_large_gpts_blocks_stay_split_where_the_user_chose(tmp_path):
     from dstrain.launcher.preflight import keep_large_gpt_blocks_whole
     params = 50304 * 3072 + 2048 * 3072 + 32 * 12 * 3072 ** 2
     for extra in ([f"{ZERO}.stage3_param_persistence_threshold=200000"], [f"{ZERO}.memory_efficient_linear=true"]):
         resolved = resolve("stage3", None, GPT_3_78B + extra, world_size=4, accelerator="cuda", env={})
-        assert keep_large_gpt_blocks_whole(resolved, params, 80 * 2**30) is False
+        zero = dict(resolved.ds_config["zero_optimization"])
+        assert keep_large_gpt_blocks_whole(resolved, params, lambda: 80 * 2**30) is False, extra
+        assert resolved.ds_config["zero_optimization"] == zero
+    # a user's DeepSpeed JSON may use DeepSpeed's field names; adding the alias beside one would make
+    # DeepSpeed refuse the config at every rank's start ("Extra inputs are not permitted")
+    for key in ("param_persistence_threshold", "model_persistence_threshold"):
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                    "zero_optimization": {"stage": 3, key: 100000}}))
+        resolved = resolve(None, None, GPT_3_78B, world_size=4, accelerator="cuda",
+                           env={"PL_DEEPSPEED_CONFIG_PATH": str(path)})
+        zero = dict(resolved.ds_config["zero_optimization"])
+        assert keep_large_gpt_blocks_whole(resolved, params, lambda: 80 * 2**30) is False, key
+        assert resolved.ds_config["zero_optimization"] == zero
     offload = resolve("stage3_offload", None, GPT_3_78B, world_size=4, accelerator="cuda", env={})
-    assert keep_large_gpt_blocks_whole(offload, params, 80 * 2**30) is False  # with offload: not measured
+    assert keep_large_gpt_blocks_whole(offload, params, lambda: 80 * 2**30) is False  # with offload: not measured
+    small = resolve("stage3", None, GPT_2_65B, world_size=4, accelerator="cuda", env={})
+    asked = []  # nvidia-smi is asked only where the rest applies
+    assert keep_large_gpt_blocks_whole(small, 2_650_000_000, lambda: asked.append(1)) is False and not asked
+
+
+def test_a_large_gpts_blocks_stay_split_where_they_would_turn_auto_checkpointing_on():
+    """auto turns checkpointing on over half the GPU (estimate.memory.auto_checkpointing): 3.78B at micro
+    batch 2 on 4 x 80 GiB needs 36 GiB split, 41 GiB whole, so whole blocks would turn recompute on."""
+    from dstrain.launcher.preflight import keep_large_gpt_blocks_whole
+    params = 50304 * 3072 + 2048 * 3072 + 32 * 12 * 3072 ** 2
+    auto = resolve("stage3", None, GPT_3_78B + ["train.activation_checkpointing=auto"], world_size=4,
+                   accelerator="cuda", env={})
+    assert keep_large_gpt_blocks_whole(auto, params, lambda: 80 * 2**30) is False
+    roomy = resolve("stage3", None, GPT_3_78B + ["train.activation_checkpointing=auto"], world_size=4,
+                    accelerator="cuda", env={})
+    assert keep_large_gpt_blocks_whole(roomy, params, lambda: 141 * 2**30) is True  # off either way on an H200
 
 
 def test_the_estimate_plans_what_a_run_on_those_gpus_renders():
@@ -286,3 +316,10 @@ def test_zero3_compiles_its_leaf_modules_forward_not_the_whole_model():
     assert engine.schedules == []
     assert ["forward" in vars(m) for m in model] == [True, False, True]
     assert torch.allclose(model(x), eager, atol=1e-6)
+
+
+def test_the_smallest_gpu_is_read_from_nvidia_smi_and_mig_slices_are_not_guessed():
+    from dstrain.hardware import smallest_gpu_memory
+    assert smallest_gpu_memory("81559, Disabled\n143771, [N/A]\n") == 81559 * 2**20
+    assert smallest_gpu_memory("81559, Enabled\n") is None  # a slice's memory is not the card's
+    assert smallest_gpu_memory("[N/A], [N/A]\n") is None and smallest_gpu_memory("") is None

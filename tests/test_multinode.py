@@ -226,7 +226,9 @@ def test_deepspeed_backends_build_a_runnable_rank_command(tmp_path, launcher, ex
 
 # A pdsh that runs each node's command here, as a remote shell would: with nothing of this process's
 # environment but PATH and HOME, plus the exports DeepSpeed's runner writes into the command, and with
-# DS_ACCELERATOR=cuda as a node's own profile might set it.
+# DS_ACCELERATOR=cuda as a node's own profile might set it. A TORCH_EXTENSIONS_DIR set here goes along, as
+# a node's profile would set a shared op folder (and the ops built here are found); without one the rank
+# points itself at dstrain's own op cache (tests/test_op_cache.py).
 RUNNING_PDSH = """#!{python}
 import os, subprocess, sys
 args = sys.argv[1:]
@@ -235,6 +237,8 @@ with open(os.environ["FAKE_LOG"], "a") as log:
 hosts = args[args.index("-w") + 1].split(",")
 command = " ".join(args[args.index("-w") + 2:])
 node_env = {{"PATH": os.environ["PATH"], "HOME": os.environ["HOME"], "DS_ACCELERATOR": "cuda"}}
+if os.environ.get("TORCH_EXTENSIONS_DIR"):
+    node_env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
 nodes = [subprocess.Popen(["sh", "-c", command.replace("%n", str(i))], env=node_env) for i in range(len(hosts))]
 sys.exit(max(node.wait() for node in nodes))
 """
@@ -260,14 +264,9 @@ def test_pdsh_nodes_train_on_the_run_directorys_settings_not_their_environment(t
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--run-dir", str(run_dir)]
     for item in (*TINY, "train.max_steps=2", "train.log_every=1", "train.eval_every=2", "train.save_every=2"):
         args += ["--set", item]
-    # torch's shared op folder, where a node without TORCH_EXTENSIONS_DIR would build (and rebuild) its ops
-    shared_ops = Path(os.environ["HOME"]) / ".cache" / "torch_extensions"
-    started = time.time()
     result = subprocess.run([sys.executable, "-m", "dstrain.cli", *args], env=env, capture_output=True, text=True,
                             timeout=600)
     assert_ok(result)
-    # each rank pointed itself at dstrain's own op cache: nothing of the run went to the shared folder
-    assert max((f.stat().st_mtime for f in shared_ops.rglob("*")), default=0.0) < started
     pdsh = log.read_text().splitlines()[-1]
     exported = {part.split("=")[0] for part in pdsh.split("export ")[1:]}
     assert exported and all(name.startswith(("PYTHON", "MLFLOW", "MV2", "UCX", "NCCL")) for name in exported), pdsh

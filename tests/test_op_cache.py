@@ -76,3 +76,19 @@ def test_two_venvs_build_apart_and_a_second_start_finds_its_build(tmp_path):
     assert again_s < built_s / 3, (built_s, again_s)
     assert not (folder_b / "dstrain_op_cache_probe").exists()  # the other venv would build its own, apart
     print(f"op cache probe: built in {built_s:.1f} s, found by the second start in {again_s:.2f} s")
+
+
+def test_a_rank_on_a_node_started_without_the_op_cache_takes_this_environments_own(tmp_path, monkeypatch):
+    """pdsh, mpirun and srun pass another node only some variables: the rank itself points DeepSpeed at
+    this environment's op cache (and its accelerator at the run's), and keeps a cache the node sets."""
+    from dstrain.op_cache import private_op_cache
+    from dstrain.rank.worker import take_node_settings
+    env = {"HOME": str(tmp_path), "DS_ACCELERATOR": "cuda"}  # a node's own profile may say cuda
+    monkeypatch.setenv("HOME", str(tmp_path))
+    take_node_settings(env, "cpu")
+    assert env["DS_ACCELERATOR"] == "cpu"
+    assert env["TORCH_EXTENSIONS_DIR"] == str(private_op_cache(env, "cpu"))
+    assert (Path(env["TORCH_EXTENSIONS_DIR"]) / "environment.json").is_file()  # doctor reads what it is keyed by
+    own = {"HOME": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(tmp_path / "mine")}
+    take_node_settings(own, "cpu")
+    assert own["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine")

@@ -24,8 +24,10 @@ GPT_ZERO3_LEAF = "dstrain.models.gpt.Block"
 SMALL_GPT_PARAMS = 3_000_000_000
 
 ZERO = "deepspeed.zero_optimization"
-# The keys that keep ZeRO-3 blocks whole; where the user set any of them, dstrain leaves all three alone.
-WHOLE_BLOCK_KEYS = ("stage3_param_persistence_threshold", "memory_efficient_linear", "stage3_model_persistence_threshold")
+# The keys that keep ZeRO-3 blocks whole, under both of DeepSpeed's names (it refuses a config that gives
+# one field twice); where the user set any of them, dstrain leaves them all alone.
+WHOLE_BLOCK_KEYS = ("stage3_param_persistence_threshold", "param_persistence_threshold", "memory_efficient_linear",
+                    "stage3_model_persistence_threshold", "model_persistence_threshold")
 
 
 def render_speed_defaults(ds: dict[str, Any], config: RunConfig, merged: Merged, accelerator: str, world: int,

@@ -9,6 +9,7 @@ so a typo costs seconds, not a GPU allocation.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -130,7 +131,7 @@ def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
     _fit_nvme_swap_buffer(resolved, facts.largest)
     apply_block_defaults(resolved, facts)
     from dstrain.hardware import cuda_gpu_memory_bytes
-    keep_large_gpt_blocks_whole(resolved, facts.params, cuda_gpu_memory_bytes() if resolved.accelerator == "cuda" else None)
+    keep_large_gpt_blocks_whole(resolved, facts.params, cuda_gpu_memory_bytes)
     return facts.params, facts.trainable
 
 
@@ -238,13 +239,15 @@ def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> bool:
 LARGE_GPT_WHOLE_MAX_SHARE = 0.85
 
 
-def keep_large_gpt_blocks_whole(resolved: ResolvedConfig, params: int, gpu_mem_bytes: int | None) -> bool:
+def keep_large_gpt_blocks_whole(resolved: ResolvedConfig, params: int, gpu_mem: Callable[[], int | None]) -> bool:
     """The built-in GPT past SMALL_GPT_PARAMS at ZeRO-3 on several GPUs, where speed_defaults left its
     blocks split: keep each block whole as below that size where the memory estimate with them whole fits
-    LARGE_GPT_WHOLE_MAX_SHARE of one GPU (gpu_mem_bytes: the smallest; None, no GPU here: left split).
-    Measured on four H200s: 3.78B 1.16x DDP whole against 0.81x split (35.7 against 30.6 GiB a GPU; two
-    GPUs: 1.08x DDP), 6.6B 1.18x its split rate (54.5 against 44.4 GiB). Activation checkpointing "auto"
-    counts as off here, so that whole blocks never turn it on. True where it kept them whole."""
+    LARGE_GPT_WHOLE_MAX_SHARE of one GPU (`gpu_mem`: the smallest GPU's bytes, asked only when the rest
+    applies; None: left split). The launching host's GPUs stand for every node's. With activation
+    checkpointing "auto", only where whole blocks leave auto's choice as it was (they would otherwise turn
+    it on: recomputing costs more than they gain). Measured on four H200s: 3.78B 1.16x DDP whole against
+    0.81x split (35.7 against 30.6 GiB a GPU; two GPUs: 1.08x DDP), 6.6B 1.18x its split rate (54.5 against
+    44.4 GiB). True where it kept them whole."""
     from dstrain.config.speed_defaults import (GPT_ZERO3_LEAF, SMALL_GPT_PARAMS, WHOLE_BLOCK_KEYS, ZERO, blocks_gib,
                                                deepcompile_on, zero3_without_offload)
     from dstrain.hardware import host_memory_bytes
@@ -253,18 +256,28 @@ def keep_large_gpt_blocks_whole(resolved: ResolvedConfig, params: int, gpu_mem_b
     zero = ds.get("zero_optimization")
     world = resolved.world_size
     if (config.model.name != "gpt" or resolved.accelerator != "cuda" or world < 2 or params <= SMALL_GPT_PARAMS
-            or not gpu_mem_bytes or not zero3_without_offload(zero) or deepcompile_on(ds)
+            or not zero3_without_offload(zero) or deepcompile_on(ds)
             or GPT_ZERO3_LEAF not in (zero.get("leaf_module") or {}).get("classes", [])):
         return False
     if any(not resolved.sources.get(f"{ZERO}.{key}", "default").startswith(("preset ", "default"))
            for key in WHOLE_BLOCK_KEYS):
         return False  # the user's choice stands
+    gpu_mem_bytes = gpu_mem()
+    if not gpu_mem_bytes:
+        return False
     m = config.model
     whole = {**ds, "zero_optimization": {**zero, "stage3_param_persistence_threshold": 4 * m.d_model ** 2,
                                          "memory_efficient_linear": False}}
     hw = E.Hardware(gpus_per_node=world, nodes=1, gpu_mem_bytes=gpu_mem_bytes, cpu_mem_bytes=host_memory_bytes()[0])
     largest = max(m.vocab_size * m.d_model, 4 * m.d_model ** 2)  # the token embedding, or an MLP weight
-    work = E.workload(config, whole, params, largest, config.train.activation_checkpointing is True)
+    checkpointing = config.train.activation_checkpointing
+    if checkpointing == "auto":  # what each rank will decide (rank/runtime.checkpointing_wanted), split and whole
+        split_on, _ = E.auto_checkpointing(E.placement_from_ds_config(ds), E.workload(config, ds, params, largest, False), hw)
+        whole_on, _ = E.auto_checkpointing(E.placement_from_ds_config(whole), E.workload(config, whole, params, largest, False), hw)
+        if whole_on != split_on:
+            return False
+        checkpointing = whole_on
+    work = E.workload(config, whole, params, largest, checkpointing is True)
     estimate = E.estimate_one("stage3", E.placement_from_ds_config(whole), work, hw)
     if estimate.gpu_bytes_per_gpu > LARGE_GPT_WHOLE_MAX_SHARE * gpu_mem_bytes:
         return False

@@ -111,16 +111,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def take_node_settings(env: dict, accelerator: str) -> None:
+    """What every node's ranks need in their environment, whatever started them. DeepSpeed takes its
+    accelerator from DS_ACCELERATOR when first used (after this). The node that ran `dstrain run` sets it,
+    but pdsh, mpirun and srun pass other nodes only some variables, and a node's own environment may say
+    otherwise: the run directory decides, the same on every node. Likewise the op cache: without
+    TORCH_EXTENSIONS_DIR a node's DeepSpeed builds its ops into torch's shared folder, where another Python
+    environment's builds of the same names replace them (each start rebuilds); one the node sets is kept."""
+    from dstrain.op_cache import use_private_op_cache
+    env["DS_ACCELERATOR"] = accelerator
+    use_private_op_cache(env, accelerator)
+
+
 def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:
     config, ds_config, launch = rundir.read(run_dir)
-    # DeepSpeed takes its accelerator from DS_ACCELERATOR when first used (after this). The node that ran
-    # `dstrain run` sets it, but pdsh, mpirun and srun pass other nodes only some variables, and a node's
-    # own environment may say otherwise: the run directory decides, the same on every node.
-    os.environ["DS_ACCELERATOR"] = launch.accelerator
-    # Likewise the op cache: without it a node's DeepSpeed builds its ops into torch's shared folder, where
-    # another Python environment's builds of the same names replace them (each start rebuilds).
-    from dstrain.op_cache import use_private_op_cache
-    use_private_op_cache(os.environ, launch.accelerator)
+    take_node_settings(os.environ, launch.accelerator)
     if launch.mode == "eval":  # `dstrain eval`
         for sig in previous_handlers:  # nothing to save: a stop request (SIGINT too) ends it, no traceback
             signal.signal(sig, signal.SIG_DFL)
