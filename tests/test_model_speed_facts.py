@@ -94,6 +94,7 @@ def test_stage3_keeps_its_shards_elsewhere(preset, sets, accelerator, threshold,
 
 GPT_3_78B = ["model.n_layer=32", "model.d_model=3072", "model.n_head=24", "model.vocab_size=50304", "data.seq_len=2048",
              "train.micro_batch_size=2"]
+LARGEST_3_78B = 50304 * 3072  # its token embedding
 
 
 @pytest.mark.parametrize("gpu_gib, world, whole", [
@@ -110,7 +111,7 @@ def test_a_large_gpts_blocks_stay_whole_where_the_estimate_says_they_fit(gpu_gib
     params = 50304 * 3072 + 2048 * 3072 + 32 * 12 * 3072 ** 2
     assert params > SMALL_GPT_PARAMS
     before = dict(resolved.ds_config["zero_optimization"])
-    assert keep_large_gpt_blocks_whole(resolved, params, lambda: gpu_gib and gpu_gib * 2**30) is whole
+    assert keep_large_gpt_blocks_whole(resolved, params, LARGEST_3_78B, lambda: gpu_gib and gpu_gib * 2**30) is whole
     zero = resolved.ds_config["zero_optimization"]
     if not whole:
         assert zero == before
@@ -131,7 +132,7 @@ def test_a_large_gpts_blocks_stay_split_where_the_user_chose(tmp_path):
     for extra in ([f"{ZERO}.stage3_param_persistence_threshold=200000"], [f"{ZERO}.memory_efficient_linear=true"]):
         resolved = resolve("stage3", None, GPT_3_78B + extra, world_size=4, accelerator="cuda", env={})
         zero = dict(resolved.ds_config["zero_optimization"])
-        assert keep_large_gpt_blocks_whole(resolved, params, lambda: 80 * 2**30) is False, extra
+        assert keep_large_gpt_blocks_whole(resolved, params, LARGEST_3_78B, lambda: 80 * 2**30) is False, extra
         assert resolved.ds_config["zero_optimization"] == zero
     # a user's DeepSpeed JSON may use DeepSpeed's field names; adding the alias beside one would make
     # DeepSpeed refuse the config at every rank's start ("Extra inputs are not permitted")
@@ -142,13 +143,13 @@ def test_a_large_gpts_blocks_stay_split_where_the_user_chose(tmp_path):
         resolved = resolve(None, None, GPT_3_78B, world_size=4, accelerator="cuda",
                            env={"PL_DEEPSPEED_CONFIG_PATH": str(path)})
         zero = dict(resolved.ds_config["zero_optimization"])
-        assert keep_large_gpt_blocks_whole(resolved, params, lambda: 80 * 2**30) is False, key
+        assert keep_large_gpt_blocks_whole(resolved, params, LARGEST_3_78B, lambda: 80 * 2**30) is False, key
         assert resolved.ds_config["zero_optimization"] == zero
     offload = resolve("stage3_offload", None, GPT_3_78B, world_size=4, accelerator="cuda", env={})
-    assert keep_large_gpt_blocks_whole(offload, params, lambda: 80 * 2**30) is False  # with offload: not measured
+    assert keep_large_gpt_blocks_whole(offload, params, LARGEST_3_78B, lambda: 80 * 2**30) is False  # with offload: not measured
     small = resolve("stage3", None, GPT_2_65B, world_size=4, accelerator="cuda", env={})
     asked = []  # nvidia-smi is asked only where the rest applies
-    assert keep_large_gpt_blocks_whole(small, 2_650_000_000, lambda: asked.append(1)) is False and not asked
+    assert keep_large_gpt_blocks_whole(small, 2_650_000_000, 50304 * 2560, lambda: asked.append(1)) is False and not asked
 
 
 def test_a_large_gpts_blocks_stay_split_where_they_would_turn_auto_checkpointing_on():
@@ -158,10 +159,10 @@ def test_a_large_gpts_blocks_stay_split_where_they_would_turn_auto_checkpointing
     params = 50304 * 3072 + 2048 * 3072 + 32 * 12 * 3072 ** 2
     auto = resolve("stage3", None, GPT_3_78B + ["train.activation_checkpointing=auto"], world_size=4,
                    accelerator="cuda", env={})
-    assert keep_large_gpt_blocks_whole(auto, params, lambda: 80 * 2**30) is False
+    assert keep_large_gpt_blocks_whole(auto, params, LARGEST_3_78B, lambda: 80 * 2**30) is False
     roomy = resolve("stage3", None, GPT_3_78B + ["train.activation_checkpointing=auto"], world_size=4,
                     accelerator="cuda", env={})
-    assert keep_large_gpt_blocks_whole(roomy, params, lambda: 141 * 2**30) is True  # off either way on an H200
+    assert keep_large_gpt_blocks_whole(roomy, params, LARGEST_3_78B, lambda: 141 * 2**30) is True  # off either way on an H200
 
 
 def test_the_estimate_plans_what_a_run_on_those_gpus_renders():

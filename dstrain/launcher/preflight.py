@@ -131,7 +131,7 @@ def check_runtime(resolved: ResolvedConfig) -> tuple[int, int]:
     _fit_nvme_swap_buffer(resolved, facts.largest)
     apply_block_defaults(resolved, facts)
     from dstrain.hardware import cuda_gpu_memory_bytes
-    keep_large_gpt_blocks_whole(resolved, facts.params, cuda_gpu_memory_bytes)
+    keep_large_gpt_blocks_whole(resolved, facts.params, facts.largest, cuda_gpu_memory_bytes)
     return facts.params, facts.trainable
 
 
@@ -208,29 +208,39 @@ def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> bool:
     layers' 16-bit weights. On one GPU at any size (one rank's shard is the whole model anyway), on several
     up to SMALL_GPT_PARAMS parameters. Only where the preset's values stand (the user set none of the keys).
     True where it kept them whole."""
-    from dstrain.config.speed_defaults import SMALL_GPT_PARAMS, WHOLE_BLOCK_KEYS, ZERO, weight_bytes
+    from dstrain.config.speed_defaults import SMALL_GPT_PARAMS, weight_bytes
     zero = resolved.ds_config.get("zero_optimization")
-    if resolved.accelerator != "cuda" or not facts.block_largest or not isinstance(zero, dict) or zero.get("stage") != 3:
+    if (resolved.accelerator != "cuda" or not facts.block_largest or not _whole_blocks_open(resolved)
+            or facts.block_class not in (zero.get("leaf_module") or {}).get("classes", [])):
         return False
-    leaf = zero.get("leaf_module")
-    if (not isinstance(leaf, dict) or facts.block_class not in leaf.get("classes", [])
-            or any((zero.get(part) or {}).get("device", "none") != "none" for part in ("offload_param", "offload_optimizer"))):
-        return False
-    if any(not resolved.sources.get(f"{ZERO}.{key}", "default").startswith(("preset ", "default"))
-           for key in WHOLE_BLOCK_KEYS):
-        return False  # the user's choice stands
     world = resolved.world_size
     if world > 1 and facts.params > SMALL_GPT_PARAMS:
         return False
     # never below the preset's: a small model's layers were whole already, and so stays its embedding
-    zero["stage3_param_persistence_threshold"] = max(facts.block_largest, zero.get("stage3_param_persistence_threshold", 0))
-    zero["memory_efficient_linear"] = False
-    resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"] = (
-        "dstrain default for hf: models on one GPU: each decoder layer stays whole" if world == 1 else
-        f"dstrain default for hf: models under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each decoder layer stays whole "
-        f"on every rank ({weight_bytes(resolved.config) * facts.block_params / 2**30:.1f} GiB of weights a GPU; set 100000 to shard them)")
-    resolved.sources[f"{ZERO}.memory_efficient_linear"] = "dstrain default with decoder layers kept whole"
+    _keep_whole(resolved, max(facts.block_largest, zero.get("stage3_param_persistence_threshold", 0)),
+                "dstrain default for hf: models on one GPU: each decoder layer stays whole" if world == 1 else
+                f"dstrain default for hf: models under {SMALL_GPT_PARAMS / 1e9:g}B parameters: each decoder layer stays "
+                f"whole on every rank ({weight_bytes(resolved.config) * facts.block_params / 2**30:.1f} GiB of weights a "
+                "GPU; set 100000 to shard them)", "decoder layers")
     return True
+
+
+def _whole_blocks_open(resolved: ResolvedConfig) -> bool:
+    """ZeRO-3 without offload, where the user set none of the keys that keep blocks whole (dstrain's
+    defaults may then set them)."""
+    from dstrain.config.speed_defaults import WHOLE_BLOCK_KEYS, ZERO, zero3_without_offload
+    return (zero3_without_offload(resolved.ds_config.get("zero_optimization"))
+            and all(resolved.sources.get(f"{ZERO}.{key}", "default").startswith(("preset ", "default"))
+                    for key in WHOLE_BLOCK_KEYS))
+
+
+def _keep_whole(resolved: ResolvedConfig, threshold: int, why: str, blocks: str) -> None:
+    """Keep parameters of up to `threshold` elements whole on every rank, with torch's linear."""
+    from dstrain.config.speed_defaults import ZERO
+    resolved.ds_config["zero_optimization"].update(stage3_param_persistence_threshold=threshold,
+                                                   memory_efficient_linear=False)
+    resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"] = why
+    resolved.sources[f"{ZERO}.memory_efficient_linear"] = f"dstrain default with {blocks} kept whole"
 
 
 # Past SMALL_GPT_PARAMS, a built-in GPT's blocks stay whole only where the memory estimate with them whole
@@ -239,37 +249,33 @@ def _keep_blocks_whole(resolved: ResolvedConfig, facts: ModelFacts) -> bool:
 LARGE_GPT_WHOLE_MAX_SHARE = 0.85
 
 
-def keep_large_gpt_blocks_whole(resolved: ResolvedConfig, params: int, gpu_mem: Callable[[], int | None]) -> bool:
+def keep_large_gpt_blocks_whole(resolved: ResolvedConfig, params: int, largest: int,
+                                gpu_mem: Callable[[], int | None]) -> bool:
     """The built-in GPT past SMALL_GPT_PARAMS at ZeRO-3 on several GPUs, where speed_defaults left its
     blocks split: keep each block whole as below that size where the memory estimate with them whole fits
-    LARGE_GPT_WHOLE_MAX_SHARE of one GPU (`gpu_mem`: the smallest GPU's bytes, asked only when the rest
+    LARGE_GPT_WHOLE_MAX_SHARE of one GPU (`largest`: the model's largest parameter; `gpu_mem`: the smallest
+    GPU's bytes, asked only when the rest
     applies; None: left split). The launching host's GPUs stand for every node's. With activation
     checkpointing "auto", only where whole blocks leave auto's choice as it was (they would otherwise turn
     it on: recomputing costs more than they gain). Measured on four H200s: 3.78B 1.16x DDP whole against
     0.81x split (35.7 against 30.6 GiB a GPU; two GPUs: 1.08x DDP), 6.6B 1.18x its split rate (54.5 against
     44.4 GiB). True where it kept them whole."""
-    from dstrain.config.speed_defaults import (GPT_ZERO3_LEAF, SMALL_GPT_PARAMS, WHOLE_BLOCK_KEYS, ZERO, blocks_gib,
-                                               deepcompile_on, zero3_without_offload)
+    from dstrain.config.speed_defaults import GPT_ZERO3_LEAF, SMALL_GPT_PARAMS, blocks_gib, deepcompile_on
     from dstrain.hardware import host_memory_bytes
     from dstrain.tools.estimate import memory as E
     config, ds = resolved.config, resolved.ds_config
-    zero = ds.get("zero_optimization")
     world = resolved.world_size
     if (config.model.name != "gpt" or resolved.accelerator != "cuda" or world < 2 or params <= SMALL_GPT_PARAMS
-            or not zero3_without_offload(zero) or deepcompile_on(ds)
-            or GPT_ZERO3_LEAF not in (zero.get("leaf_module") or {}).get("classes", [])):
+            or not _whole_blocks_open(resolved) or deepcompile_on(ds)
+            or GPT_ZERO3_LEAF not in (ds["zero_optimization"].get("leaf_module") or {}).get("classes", [])):
         return False
-    if any(not resolved.sources.get(f"{ZERO}.{key}", "default").startswith(("preset ", "default"))
-           for key in WHOLE_BLOCK_KEYS):
-        return False  # the user's choice stands
     gpu_mem_bytes = gpu_mem()
     if not gpu_mem_bytes:
         return False
-    m = config.model
-    whole = {**ds, "zero_optimization": {**zero, "stage3_param_persistence_threshold": 4 * m.d_model ** 2,
+    threshold = 4 * config.model.d_model ** 2  # a block's largest weight (the MLP's)
+    whole = {**ds, "zero_optimization": {**ds["zero_optimization"], "stage3_param_persistence_threshold": threshold,
                                          "memory_efficient_linear": False}}
     hw = E.Hardware(gpus_per_node=world, nodes=1, gpu_mem_bytes=gpu_mem_bytes, cpu_mem_bytes=host_memory_bytes()[0])
-    largest = max(m.vocab_size * m.d_model, 4 * m.d_model ** 2)  # the token embedding, or an MLP weight
     checkpointing = config.train.activation_checkpointing
     if checkpointing == "auto":  # what each rank will decide (rank/runtime.checkpointing_wanted), split and whole
         split_on, _ = E.auto_checkpointing(E.placement_from_ds_config(ds), E.workload(config, ds, params, largest, False), hw)
@@ -278,15 +284,13 @@ def keep_large_gpt_blocks_whole(resolved: ResolvedConfig, params: int, gpu_mem: 
             return False
         checkpointing = whole_on
     work = E.workload(config, whole, params, largest, checkpointing is True)
-    estimate = E.estimate_one("stage3", E.placement_from_ds_config(whole), work, hw)
-    if estimate.gpu_bytes_per_gpu > LARGE_GPT_WHOLE_MAX_SHARE * gpu_mem_bytes:
+    peak = E.estimate_one("stage3", E.placement_from_ds_config(whole), work, hw).gpu_bytes_per_gpu
+    if peak > LARGE_GPT_WHOLE_MAX_SHARE * gpu_mem_bytes:
         return False
-    zero.update(stage3_param_persistence_threshold=4 * m.d_model ** 2, memory_efficient_linear=False)
-    resolved.sources[f"{ZERO}.stage3_param_persistence_threshold"] = (
-        f"dstrain default for a built-in GPT past {SMALL_GPT_PARAMS / 1e9:g}B parameters where it fits: each block "
-        f"stays whole on every rank ({blocks_gib(config):.1f} GiB of weights a GPU; estimated peak "
-        f"{estimate.gpu_bytes_per_gpu / 2**30:.1f} of {gpu_mem_bytes / 2**30:.0f} GiB; set 100000 to shard them)")
-    resolved.sources[f"{ZERO}.memory_efficient_linear"] = "dstrain default with blocks kept whole"
+    _keep_whole(resolved, threshold,
+                f"dstrain default for a built-in GPT past {SMALL_GPT_PARAMS / 1e9:g}B parameters where it fits: each block "
+                f"stays whole on every rank ({blocks_gib(config):.1f} GiB of weights a GPU; estimated peak "
+                f"{peak / 2**30:.1f} of {gpu_mem_bytes / 2**30:.0f} GiB; set 100000 to shard them)", "blocks")
     return True
 
 

@@ -97,7 +97,7 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
     if base.model.name == "gpt" and hw.accelerator == "cuda":  # what a run on these GPUs renders past 3B
         from dstrain.launcher.preflight import keep_large_gpt_blocks_whole
         for r in resolved.values():
-            keep_large_gpt_blocks_whole(r, total, lambda: hw.gpu_mem_bytes)
+            keep_large_gpt_blocks_whole(r, total, largest, lambda: hw.gpu_mem_bytes)
     if (shape or {}).get("loss_chunk_tokens") or (shape is None and base.train.loss_chunking is True):
         notes.append(f"the LM loss runs in chunks of {base.train.loss_chunk_tokens:,} tokens (train.loss_chunking): "
                      "the logits are estimated per chunk")
