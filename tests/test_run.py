@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,12 +26,8 @@ def _nvme_sets(preset: str, run_dir) -> tuple[str, ...]:
             f"deepspeed.zero_optimization.offload_optimizer.nvme_path={path}")
 
 
-@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.oldest_deepspeed) if p == "stage2" else p
-                                    for p in PRESETS])
-def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(tmp_path, preset):
-    run_dir = tmp_path / preset
-    sets = ("train.max_steps=4", "train.save_every=2", "train.log_every=1", *_nvme_sets(preset, run_dir))
-    first = run_tiny(run_dir, preset, *sets)
+def _assert_saved_by_two_ranks(first, run_dir: Path, preset: str, step: int) -> None:
+    """What a preset's first run prints and leaves: a complete checkpoint of both ranks at `step`, the latest."""
     assert_ok(first)
     # ZeRO-3 without offload trains with dstrain's step (speedups/zero3_step.py), and rank 0 says so once
     assert first.stdout.count("ZeRO-3, dstrain's changes: the step's release") == (1 if preset == "stage3" else 0)
@@ -37,41 +36,92 @@ def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(tmp_path, preset
     assert first.stdout.count(auto_off) == (1 if preset in ("stage3_offload", "stage3_nvme") else 0)
 
     tag = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert tag == "step00000004"
+    assert tag == f"step{step:08d}"
     files = {p.name for p in (run_dir / "checkpoints" / tag).iterdir()}
     assert {"rng_rank0.pt", "rng_rank1.pt", "dstrain_complete.json"} <= files
     assert sum("optim_states" in name for name in files) == 2, files  # one optimizer shard per rank
     mark = json.loads((run_dir / "checkpoints" / tag / "dstrain_complete.json").read_text())
-    assert mark["world_size"] == 2 and mark["step"] == 4
+    assert mark["world_size"] == 2 and mark["step"] == step
     config = (run_dir / "ds_config.json").read_text()
     assert '"auto"' not in config
 
+
+def _assert_resumed(resumed, run_dir: Path, saved: int, last: int) -> None:
+    assert_ok(resumed)
+    assert f"resumed from step{saved:08d} at step {saved}" in resumed.stdout
+    steps = losses(run_dir)
+    assert sorted(steps) == list(range(1, last + 1))
+    assert all(math.isfinite(v) for v in steps.values())
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{last:08d}"
+
+
+# stage2 is checked on the stage2 runs the resume tests below share (test_stage2_preset_...).
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "stage2"])
+def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(tmp_path, preset):
+    run_dir = tmp_path / preset
+    sets = ("train.max_steps=4", "train.save_every=2", "train.log_every=1", *_nvme_sets(preset, run_dir))
+    first = run_tiny(run_dir, preset, *sets)
+    _assert_saved_by_two_ranks(first, run_dir, preset, step=4)
+
     resumed = run_tiny(run_dir, preset, "train.max_steps=6", "train.save_every=2", "train.log_every=1",
                        *_nvme_sets(preset, run_dir), resume="latest")
-    assert_ok(resumed)
-    assert "resumed from step00000004 at step 4" in resumed.stdout
-    steps = losses(run_dir)
-    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
-    assert all(math.isfinite(v) for v in steps.values())
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step00000006"
+    _assert_resumed(resumed, run_dir, saved=4, last=6)
+
+
+# A constant schedule after warmup: a cosine decay would (rightly) change shape with max_steps.
+STAGE2_SETS = ("train.save_every=4", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=2",
+               "train.schedule=constant")
+
+
+@pytest.fixture(scope="module")
+def stage2_runs(tmp_path_factory):
+    """The stage2 runs of the next three tests, launched once for all three (a launch costs ~12 s, and CI's
+    oldest-DeepSpeed lane runs these tests again): `interrupted` trains steps 1-8 on 2 ranks (saving 4 and
+    8) and resumes to 12; `saved` is a copy of it as its first run left it; `one` is another copy, resumed
+    to 12 by 1 rank (accum 2: the same global batch); `straight` trains 1-12 in one go."""
+    root = tmp_path_factory.mktemp("stage2")
+    interrupted, saved, one, straight = (root / name for name in ("interrupted", "saved", "one", "straight"))
+    first = run_tiny(interrupted, "stage2", "train.max_steps=8", *STAGE2_SETS)
+    assert_ok(first)
+    shutil.copytree(interrupted, saved)
+    shutil.copytree(interrupted, one)
+    resumed = run_tiny(interrupted, "stage2", "train.max_steps=12", *STAGE2_SETS, resume="latest")
+    resumed_by_one = run_tiny(one, "stage2", "train.max_steps=12", "train.grad_accum_steps=2", *STAGE2_SETS,
+                              resume="latest", gpus=1)
+    straight_run = run_tiny(straight, "stage2", "train.max_steps=12", *STAGE2_SETS)
+    return SimpleNamespace(first=first, saved=saved, interrupted=interrupted, resumed=resumed, one=one,
+                           resumed_by_one=resumed_by_one, straight=straight, straight_run=straight_run)
 
 
 @pytest.mark.oldest_deepspeed
-def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
-    interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
-    # A constant schedule after warmup: a cosine decay would (rightly) change shape with max_steps.
-    common = ("train.save_every=4", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=2",
-              "train.schedule=constant")
-    assert_ok(run_tiny(interrupted, "stage2", "train.max_steps=8", *common))
-    resumed = run_tiny(interrupted, "stage2", "train.max_steps=12", *common, resume="latest")
-    assert_ok(resumed)
-    assert_ok(run_tiny(straight, "stage2", "train.max_steps=12", *common))
+def test_stage2_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(stage2_runs):
+    """test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks for stage2: saved at 8, resumed to 12."""
+    _assert_saved_by_two_ranks(stage2_runs.first, stage2_runs.saved, "stage2", step=8)
+    _assert_resumed(stage2_runs.resumed, stage2_runs.interrupted, saved=8, last=12)
 
-    a, b = losses(interrupted), losses(straight)
+
+@pytest.mark.oldest_deepspeed
+def test_resumed_run_continues_exactly_like_an_uninterrupted_one(stage2_runs):
+    assert_ok(stage2_runs.resumed)
+    assert_ok(stage2_runs.straight_run)
+    a, b = losses(stage2_runs.interrupted), losses(stage2_runs.straight)
     assert sorted(a) == list(range(1, 13))
     for step in range(9, 13):
         assert a[step] == pytest.approx(b[step], rel=1e-3), (step, a[step], b[step])
     assert b[12] < b[1]  # it learns
+
+
+@pytest.mark.oldest_deepspeed
+def test_resume_with_another_world_size_goes_through_a_universal_checkpoint(stage2_runs):
+    """Saved by 2 ranks, resumed by 1 (same global batch: accum 2) and by 2: both continue alike."""
+    resumed = stage2_runs.resumed_by_one
+    assert_ok(resumed)
+    assert_ok(stage2_runs.resumed)
+    assert "universal checkpoint" in resumed.stdout
+    assert (stage2_runs.one / "universal" / "step00000008").is_dir()
+    a, b = losses(stage2_runs.one), losses(stage2_runs.interrupted)
+    for step in range(9, 13):
+        assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])
 
 
 def test_activation_checkpointing_gives_the_same_losses(tmp_path):
@@ -95,28 +145,6 @@ def test_the_default_job_loss_falls(tmp_path):
     steps = losses(run_dir)
     assert steps[30] < steps[5] - 0.3, steps
     assert "batch: micro 4 x grad accum 1 x world 2 = 8 sequences" in result.stdout
-
-
-@pytest.mark.oldest_deepspeed
-def test_resume_with_another_world_size_goes_through_a_universal_checkpoint(tmp_path):
-    """Saved by 2 ranks, resumed by 1 (same global batch: accum 2) and by 2: both continue alike."""
-    base = tmp_path / "base"
-    common = ("train.save_every=4", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=2",
-              "train.schedule=constant")
-    assert_ok(run_tiny(base, "stage2", "train.max_steps=4", *common))
-    two, one = tmp_path / "two", tmp_path / "one"
-    import shutil
-    shutil.copytree(base, two)
-    shutil.copytree(base, one)
-    assert_ok(run_tiny(two, "stage2", "train.max_steps=6", *common, resume="latest"))
-    resumed = run_tiny(one, "stage2", "train.max_steps=6", "train.grad_accum_steps=2", *common,
-                       resume="latest", gpus=1)
-    assert_ok(resumed)
-    assert "universal checkpoint" in resumed.stdout
-    assert (one / "universal" / "step00000004").is_dir()
-    a, b = losses(one), losses(two)
-    for step in (5, 6):
-        assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])
 
 
 def test_save_checkpoints_false_trains_and_evaluates_but_writes_no_checkpoint(tmp_path):
