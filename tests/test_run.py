@@ -74,13 +74,20 @@ STAGE2_SETS = ("train.save_every=4", "train.log_every=1", "train.lr=3e-3", "trai
 
 
 @pytest.fixture(scope="module")
-def stage2_runs(tmp_path_factory):
+def stage2_straight(tmp_path_factory):
+    """stage2 steps 1-12 in one go: the resume tests' reference, and the activation checkpointing test's."""
+    run_dir = tmp_path_factory.mktemp("stage2") / "straight"
+    return run_dir, run_tiny(run_dir, "stage2", "train.max_steps=12", *STAGE2_SETS)
+
+
+@pytest.fixture(scope="module")
+def stage2_runs(tmp_path_factory, stage2_straight):
     """The stage2 runs of the next three tests, launched once for all three (a launch costs ~12 s, and CI's
     oldest-DeepSpeed lane runs these tests again): `interrupted` trains steps 1-8 on 2 ranks (saving 4 and
     8) and resumes to 12; `saved` is a copy of it as its first run left it; `one` is another copy, resumed
     to 12 by 1 rank (accum 2: the same global batch); `straight` trains 1-12 in one go."""
     root = tmp_path_factory.mktemp("stage2")
-    interrupted, saved, one, straight = (root / name for name in ("interrupted", "saved", "one", "straight"))
+    interrupted, saved, one = (root / name for name in ("interrupted", "saved", "one"))
     first = run_tiny(interrupted, "stage2", "train.max_steps=8", *STAGE2_SETS)
     assert_ok(first)
     shutil.copytree(interrupted, saved)
@@ -88,7 +95,7 @@ def stage2_runs(tmp_path_factory):
     resumed = run_tiny(interrupted, "stage2", "train.max_steps=12", *STAGE2_SETS, resume="latest")
     resumed_by_one = run_tiny(one, "stage2", "train.max_steps=12", "train.grad_accum_steps=2", *STAGE2_SETS,
                               resume="latest", gpus=1)
-    straight_run = run_tiny(straight, "stage2", "train.max_steps=12", *STAGE2_SETS)
+    straight, straight_run = stage2_straight
     return SimpleNamespace(first=first, saved=saved, interrupted=interrupted, resumed=resumed, one=one,
                            resumed_by_one=resumed_by_one, straight=straight, straight_run=straight_run)
 
@@ -124,14 +131,17 @@ def test_resume_with_another_world_size_goes_through_a_universal_checkpoint(stag
         assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])
 
 
-def test_activation_checkpointing_gives_the_same_losses(tmp_path):
-    sets = ("train.max_steps=3", "train.log_every=1", "train.save_every=3")
-    plain, ckpt = tmp_path / "plain", tmp_path / "ckpt"
-    assert_ok(run_tiny(plain, "stage1", *sets))
-    assert_ok(run_tiny(ckpt, "stage1", *sets, "train.activation_checkpointing=true",
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, stage2_straight):
+    """DeepSpeed's activation checkpointing (partitioned, kept on the CPU) against the same stage2 job
+    without it: the resume tests' straight run."""
+    plain, plain_run = stage2_straight
+    assert_ok(plain_run)
+    ckpt = tmp_path / "ckpt"
+    assert_ok(run_tiny(ckpt, "stage2", "train.max_steps=12", *STAGE2_SETS, "train.activation_checkpointing=true",
                        "deepspeed.activation_checkpointing.partition_activations=true",
                        "deepspeed.activation_checkpointing.cpu_checkpointing=true"))
     a, b = losses(plain), losses(ckpt)
+    assert sorted(a) == sorted(b) == list(range(1, 13))
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=1e-5)
 
