@@ -19,13 +19,23 @@ pytestmark = pytest.mark.integration
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
 
 
-def test_a_tracked_run_fills_tensorboard_csv_wandb_prints_its_summary_and_reports(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run_dir = tmp_path / "run"
-    trackers = "[tensorboard,csv,wandb]" if HAS_WANDB else "[tensorboard,csv]"
-    result = run_tiny(run_dir, "stage2", "train.max_steps=4", "train.log_every=2", "train.eval_every=4",
-                      "train.save_every=4", "train.warmup_steps=1", f"train.log_to={trackers}")
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    """The one run both tests read (a launch costs ~12 s): every tracker on, the user's class among them
+    (tests/user_code/usermods.py; entry points import from where dstrain runs)."""
+    run_dir = tmp_path_factory.mktemp("tracked") / "run"
+    trackers = "tensorboard,csv,wandb," if HAS_WANDB else "tensorboard,csv,"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(Path(__file__).parent / "user_code")
+        result = run_tiny(run_dir, "stage2", "train.max_steps=4", "train.log_every=2", "train.eval_every=4",
+                          "train.save_every=4", "train.warmup_steps=1", "train.lr=0.002",
+                          f"train.log_to=[{trackers}usermods:JsonLinesTracker]",
+                          env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    return run_dir, result
+
+
+def test_a_tracked_run_fills_tensorboard_csv_wandb_prints_its_summary_and_reports(tracked):
+    run_dir, result = tracked
     assert_ok(result)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -64,14 +74,10 @@ def test_a_tracked_run_fills_tensorboard_csv_wandb_prints_its_summary_and_report
     assert "step00000004" in report.stdout
 
 
-def test_a_user_tracker_class_in_log_to_gets_what_metrics_jsonl_gets(tmp_path, monkeypatch):
+def test_a_user_tracker_class_in_log_to_gets_what_metrics_jsonl_gets(tracked):
     """train.log_to: usermods:JsonLinesTracker (tests/user_code/usermods.py, a class written as a user would):
     rank 0 opens it with the run's hyper-parameters, sends it each logged step and evaluation, closes it."""
-    monkeypatch.chdir(Path(__file__).parent / "user_code")  # entry points import from where dstrain runs
-    run_dir = tmp_path / "run"
-    result = run_tiny(run_dir, "stage2", "train.max_steps=4", "train.log_every=2", "train.eval_every=4",
-                      "train.save_every=4", "train.warmup_steps=1", "train.lr=0.002",
-                      "train.log_to=[usermods:JsonLinesTracker]")
+    run_dir, result = tracked
     assert_ok(result)
     records = [json.loads(line) for line in (run_dir / "user_tracker.jsonl").read_text().splitlines()]
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
