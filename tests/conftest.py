@@ -2,6 +2,7 @@
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -55,3 +56,17 @@ def llama_dir(tmp_path_factory):
 def gpt2_dir(tmp_path_factory):
     from hf_models import save_tiny_gpt2
     return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2") / "model")
+
+
+@pytest.fixture(scope="session")
+def zero3_llama_run(tmp_path_factory):
+    """A tiny Llama fine-tuned 3 steps at ZeRO-3 on 2 CPU ranks (lr 0.01; train.compile "auto" is eager on CPU):
+    test_hf_runs checks what it loaded and exports, test_hf_compile compares the same run compiled with it.
+    Launched once for both files (an hf: launch costs ~15 s)."""
+    from hf_models import save_tiny_llama
+    from launcher import run_hf
+    root = tmp_path_factory.mktemp("zero3_llama")
+    model_dir, run_dir = save_tiny_llama(root / "llama"), root / "run"
+    sets = ("train.lr=0.01", "train.warmup_steps=0", "train.max_steps=3")
+    return SimpleNamespace(model_dir=model_dir, run_dir=run_dir, sets=sets,
+                           result=run_hf(run_dir, "stage3", model_dir, *sets))

@@ -30,6 +30,16 @@ def run_tiny(run_dir: Path, preset: str, *sets: str, resume: str | None = None, 
     return dstrain(*args, *extra, env=env)
 
 
+def run_hf(run_dir: Path, preset: str, model_dir: Path, *sets: str, gpus: int = 2) -> subprocess.CompletedProcess:
+    """A tiny Hugging Face model folder (tests/hf_models.py) fine-tuned on bytes, 2 steps unless `sets` say so."""
+    args = ["run", "--preset", preset, "--accelerator", "cpu", "--gpus", str(gpus), "--run-dir", str(run_dir)]
+    for item in (f"model.name=hf:{model_dir}", "data.tokenizer=byte", "data.seq_len=32", "train.micro_batch_size=2",
+                 "train.max_steps=2",
+                 "train.log_every=1", "train.eval_batches=1", "train.eval_every=1000", *sets):
+        args += ["--set", item]
+    return dstrain(*args)
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> training loss from metrics.jsonl."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

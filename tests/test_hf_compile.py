@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher import assert_ok, dstrain, losses
+from launcher import assert_ok, losses, run_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -184,25 +184,17 @@ def test_compiled_blocks_give_eagers_loss_and_gradients(family):
 
 
 @pytest.mark.integration
-def test_zero3_two_ranks_compiled_train_as_eager(tmp_path):
+def test_zero3_two_ranks_compiled_train_as_eager(tmp_path, zero3_llama_run):
     """The real launcher, 2 CPU ranks, ZeRO-3 with the layers as leaf modules: compiled, each rank says so,
-    and the losses are the eager run's."""
-    from hf_models import save_tiny_llama
-    model_dir = save_tiny_llama(tmp_path / "llama")
-    runs = {}
-    for compile_ in ("true", "false"):
-        run_dir = tmp_path / f"run-{compile_}"
-        args = ["run", "--preset", "stage3", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir)]
-        for item in (f"model.name=hf:{model_dir}", "data.tokenizer=byte", "data.seq_len=32",
-                     "train.micro_batch_size=2", "train.max_steps=3", "train.log_every=1", "train.eval_batches=1",
-                     "train.eval_every=1000", "train.save_checkpoints=false", f"train.compile={compile_}"):
-            args += ["--set", item]
-        result = dstrain(*args)
-        assert_ok(result)
-        runs[compile_] = (result.stdout + result.stderr, losses(run_dir))
-    assert "compile: 2 LlamaDecoderLayer blocks compiled one by one" in runs["true"][0]
-    assert "compiled one by one" not in runs["false"][0]
-    compiled, eager = runs["true"][1], runs["false"][1]
-    assert sorted(compiled) == sorted(eager) == [1, 2, 3]
-    for step in eager:
-        assert compiled[step] == pytest.approx(eager[step], rel=1e-4)
+    and the losses are the eager run's (test_hf_runs' ZeRO-3 Llama run, the same sets but train.compile)."""
+    eager = zero3_llama_run
+    assert_ok(eager.result)
+    run_dir = tmp_path / "compiled"
+    result = run_hf(run_dir, "stage3", eager.model_dir, *eager.sets, "train.compile=true")
+    assert_ok(result)
+    assert "compile: 2 LlamaDecoderLayer blocks compiled one by one" in result.stdout + result.stderr
+    assert "compiled one by one" not in eager.result.stdout + eager.result.stderr
+    compiled, eager_losses = losses(run_dir), losses(eager.run_dir)
+    assert sorted(compiled) == sorted(eager_losses) == [1, 2, 3]
+    for step in eager_losses:
+        assert compiled[step] == pytest.approx(eager_losses[step], rel=1e-4)

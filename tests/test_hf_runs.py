@@ -3,7 +3,8 @@ ZeRO path, each checked for several facts.
 
 (a) ZeRO-3, tiny Llama: the weights really were loaded into the partitions (step-1 loss equals the loss
     transformers computes on the same batch), and `convert-checkpoint --format hf` gives a folder that
-    from_pretrained loads with no missing or unexpected keys and the trained model's logits.
+    from_pretrained loads with no missing or unexpected keys and the trained model's logits. Its run is
+    conftest's zero3_llama_run, which test_hf_compile also compares a compiled run with.
 (b) ZeRO-2, tiny GPT-2 (tied head, Conv1D) with LoRA and lr near zero: step-1 loss equals transformers',
     only adapter weights reach the optimizer, and `train.export_final: hf` merges them back into the
     original weights.
@@ -20,23 +21,14 @@ import torch
 from safetensors.torch import load_file
 
 from hf_models import save_tiny_gpt2, save_tiny_llama, transformers_loss
-from launcher import assert_ok, dstrain, losses
+from launcher import assert_ok, dstrain, losses, run_hf
 
 from dstrain import rundir
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-WORLD = 2
-
-
-def run(run_dir, preset: str, model_dir, *sets: str):
-    args = ["run", "--preset", preset, "--accelerator", "cpu", "--gpus", str(WORLD), "--run-dir", str(run_dir)]
-    for item in (f"model.name=hf:{model_dir}", "data.tokenizer=byte", "data.seq_len=32", "train.micro_batch_size=2",
-                 "train.max_steps=2",
-                 "train.log_every=1", "train.eval_batches=1", "train.eval_every=1000", *sets):
-        args += ["--set", item]
-    return dstrain(*args)
+WORLD = 2  # run_hf's ranks
 
 
 def step1_loss_by_transformers(run_dir, model_dir) -> float:
@@ -58,10 +50,8 @@ def model_logits(model, inputs) -> torch.Tensor:
 
 
 @pytest.mark.integration
-def test_zero3_llama_loads_trains_and_exports_a_folder_transformers_loads(tmp_path):
-    model_dir = save_tiny_llama(tmp_path / "llama")
-    run_dir = tmp_path / "run"
-    result = run(run_dir, "stage3", model_dir, "train.lr=0.01", "train.warmup_steps=0")
+def test_zero3_llama_loads_trains_and_exports_a_folder_transformers_loads(tmp_path, zero3_llama_run):
+    model_dir, run_dir, result = zero3_llama_run.model_dir, zero3_llama_run.run_dir, zero3_llama_run.result
     assert_ok(result)
     assert losses(run_dir)[1] == pytest.approx(step1_loss_by_transformers(run_dir, model_dir), rel=1e-5)
 
@@ -90,7 +80,7 @@ def test_zero2_gpt2_lora_trains_only_adapters_and_merges_back_on_export(tmp_path
 
     model_dir = save_tiny_gpt2(tmp_path / "gpt2")
     run_dir = tmp_path / "run"
-    result = run(run_dir, "stage2", model_dir, "train.lr=1e-9", "model.lora={r: 4, alpha: 8}",
+    result = run_hf(run_dir, "stage2", model_dir, "train.lr=1e-9", "model.lora={r: 4, alpha: 8}",
                  "train.export_final=hf")
     assert_ok(result)
     assert losses(run_dir)[1] == pytest.approx(step1_loss_by_transformers(run_dir, model_dir), rel=1e-5)
@@ -114,7 +104,7 @@ def test_zero3_gpt2_full_fine_tune_with_lr_near_zero_exports_the_original_weight
     # GPT-2's tied head and Conv1D layers through zero.Init's partitioned loading and back out.
     model_dir = save_tiny_gpt2(tmp_path / "gpt2")
     run_dir = tmp_path / "run"
-    result = run(run_dir, "stage3", model_dir, "train.lr=1e-9", "train.export_final=hf", "train.export_dtype=fp32")
+    result = run_hf(run_dir, "stage3", model_dir, "train.lr=1e-9", "train.export_final=hf", "train.export_dtype=fp32")
     assert_ok(result)
     assert losses(run_dir)[1] == pytest.approx(step1_loss_by_transformers(run_dir, model_dir), rel=1e-5)
 
@@ -146,7 +136,7 @@ def test_zero2_lora_adapter_export_loads_in_peft_generates_and_the_run_resumes_w
     from tiny_tokenizer import build_tokenizer
     model_dir = build_tokenizer(save_tiny_llama(tmp_path / "llama", vocab_size=320))
     run_dir = tmp_path / "run"
-    result = run(run_dir, "stage2", model_dir, "train.lr=0.01", "train.warmup_steps=0", "train.export_final=peft",
+    result = run_hf(run_dir, "stage2", model_dir, "train.lr=0.01", "train.warmup_steps=0", "train.export_final=peft",
                  "model.lora={r: 4, target_modules: all-linear, use_dora: true, modules_to_save: [lm_head]}")
     assert_ok(result)
     out = run_dir / "final_adapter"
@@ -190,7 +180,7 @@ def test_zero3_lora_adapter_export_gives_the_merged_exports_logits_and_generate_
     run_dir = tmp_path / "run"
     # Persistence threshold 0: the tiny model's weights are partitioned and fetched as a large model's are
     # (a ZeRO-3 LoRA run once failed on GPUs only, where the 1B weights were over the threshold).
-    assert_ok(run(run_dir, "stage3", model_dir, "train.lr=0.01", "train.warmup_steps=0",
+    assert_ok(run_hf(run_dir, "stage3", model_dir, "train.lr=0.01", "train.warmup_steps=0",
                   "model.lora={r: 4, target_modules: [q_proj, v_proj, down_proj], use_rslora: true}",
                   "deepspeed.zero_optimization.stage3_param_persistence_threshold=0"))
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
