@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from dstrain.config.layers import Merged
-from dstrain.config.schema import TILED_MLP_MIN_TOKENS, RunConfig
+from dstrain.config.schema import TILED_MLP_MIN_SEQ_TOKENS, RunConfig
 from dstrain.errors import Problem
 
 
-def tokens_per_rank(config: RunConfig) -> int:
-    """Tokens of one micro batch on one rank: micro x seq_len / sequence_parallel."""
-    return config.train.micro_batch_size * config.data.seq_len // config.train.sequence_parallel
+def sequence_tokens_per_rank(config: RunConfig) -> int:
+    """Tokens of one sequence on one rank: seq_len / sequence_parallel."""
+    return config.data.seq_len // config.train.sequence_parallel
 
 
 def _frozen_weights(config: RunConfig) -> bool:
@@ -44,7 +44,7 @@ def resolve_tiled_mlp(config: RunConfig, ds: dict[str, Any], merged: Merged, acc
         return
     if chosen is False:
         return
-    tokens = tokens_per_rank(config)
+    tokens = sequence_tokens_per_rank(config)
     why = None
     if not hf:
         why = "not an \"hf:\" model"
@@ -52,11 +52,12 @@ def resolve_tiled_mlp(config: RunConfig, ds: dict[str, Any], merged: Merged, acc
         why = "CPU ranks"
     elif zero3_frozen:
         why = "ZeRO-3 with frozen weights: the decoder layers are not fetched whole"
-    elif tokens < TILED_MLP_MIN_TOKENS:
-        why = f"{tokens:,} tokens per rank per micro batch < {TILED_MLP_MIN_TOKENS:,}: small MLP activations"
+    elif tokens < TILED_MLP_MIN_SEQ_TOKENS:
+        why = (f"{tokens:,} tokens of a sequence per rank < {TILED_MLP_MIN_SEQ_TOKENS:,}: a smaller micro batch "
+               "saves the memory without the recompute")
     config.train.tiled_mlp = why is None
     notes["train.tiled_mlp"] = (f"auto: off ({why})" if why else
-                                f"auto: on ({tokens:,} tokens per rank per micro batch >= {TILED_MLP_MIN_TOKENS:,})")
+                                f"auto: on ({tokens:,} tokens of a sequence per rank >= {TILED_MLP_MIN_SEQ_TOKENS:,})")
 
 
 def check_checkpoint_offload(config: RunConfig, merged: Merged, accelerator: str, problems: list[Problem]) -> None:

@@ -15,8 +15,10 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFl
 
 
 BUILTIN_TRACKERS = ("tensorboard", "wandb", "csv")  # train.log_to names besides a user's "module:Class"
-# train.tiled_mlp "auto" is on from this many tokens per rank per micro batch (on CUDA).
-TILED_MLP_MIN_TOKENS = 8192
+# train.tiled_mlp "auto" is on from this many tokens of one sequence on a rank (seq_len / sequence_parallel;
+# on CUDA). Not counted per micro batch: at 4 x 2,048 tokens the recompute cost 18-22% of tokens/s (Llama and
+# Qwen2 shapes, 1-4 H200s, 2026-11-27), where a smaller micro batch saves the same memory for free.
+TILED_MLP_MIN_SEQ_TOKENS = 16_384
 # From this vocabulary size the estimate says what micro batch train.loss_chunking lets fit (and a model's
 # own "auto" chunking starts: CausalLM(chunking="auto"), GPT(loss_chunk=...)); smaller logits cost little.
 LOSS_CHUNKING_MIN_VOCAB = 32_768
@@ -264,9 +266,9 @@ class TrainConfig(Section):
     """Run each decoder layer's MLP of an "hf:" model over the sequence in train.tiled_mlp_shards shards,
     recomputing each shard in backward (DeepSpeed's TiledMLP, from ALST): one shard's MLP intermediate
     activations are live instead of the whole sequence's, for one more MLP forward per step. "auto": on
-    for an "hf:" model on CUDA when a rank's micro batch holds at least TILED_MLP_MIN_TOKENS (8,192) tokens
-    (micro_batch_size x seq_len / sequence_parallel), off otherwise (shorter sequences: the activations
-    are small and the recompute costs time; CPU ranks). true: always (an error for other models, or at
+    for an "hf:" model on CUDA when a rank holds at least TILED_MLP_MIN_SEQ_TOKENS (16,384) tokens of one
+    sequence (seq_len / sequence_parallel), off otherwise (shorter sequences: a smaller micro batch saves
+    the memory without the recompute, which cost 18-22% of tokens/s at 4 x 2,048 tokens; CPU ranks). true: always (an error for other models, or at
     ZeRO-3 with frozen weights such as LoRA). See docs/long-context.md."""
     tiled_mlp_shards: PositiveInt | None = None
     """Shards of train.tiled_mlp. Unset: ceil(tokens per rank per sample / hidden_size), ALST's rule (each
