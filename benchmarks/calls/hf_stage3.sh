@@ -1,9 +1,9 @@
 #!/bin/bash
 # Hugging Face shapes at ZeRO-3 (issue 39, target 1): torch (eager on one GPU, DDP on several) against
-# dstrain stage3 with its defaults (each decoder layer a leaf module kept whole on every rank) and with the
-# layers sharded as DeepSpeed's preset has them (persistence threshold 100,000), same folder, same call.
-# COMPILED=1 adds a row with the layers whole and compiled (train.compile=true; `auto` leaves stage 3 eager:
-# measured 0.95x with the layers sharded, not yet with them whole).
+# dstrain stage3 with its defaults (each decoder layer a leaf module kept whole on every rank, and compiled
+# on CUDA) and with the layers sharded as DeepSpeed's preset has them (persistence threshold 100,000; `auto`
+# leaves those eager), same folder, same call. EAGER=1 adds a row with the layers whole and eager
+# (train.compile=false).
 #
 #   bash benchmarks/calls/hf_stage3.sh GPUS SHAPES
 #   bash benchmarks/calls/hf_stage3.sh 1 qwen2-1.5b,llama-1b
@@ -18,7 +18,7 @@ for shape in ${SHAPES//,/ }; do
   suite "$GPUS" "$shape" "$shape" --steps "$STEPS" --runners torch --presets stage2 > "$OUT/torch-$shape.log" 2>&1
   [ -n "${OPS_PID:-}" ] && { wait_ops; OPS_PID=; }
   COMPILE=()
-  [ "${COMPILED:-0}" = 1 ] && COMPILE=(--variant "compiled@dstrain=train.compile=true")
+  [ "${EAGER:-0}" = 1 ] && COMPILE=(--variant "eager@dstrain=train.compile=false")
   suite "$GPUS" "$shape" "$shape" --steps "$STEPS" --runners dstrain --presets stage3 \
     --variant "sharded@dstrain=deepspeed.zero_optimization.stage3_param_persistence_threshold=100000" \
     ${COMPILE[@]+"${COMPILE[@]}"} > "$OUT/dstrain-$shape.log" 2>&1
