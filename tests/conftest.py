@@ -70,3 +70,17 @@ def zero3_llama_run(tmp_path_factory):
     sets = ("train.lr=0.01", "train.warmup_steps=0", "train.max_steps=3")
     return SimpleNamespace(model_dir=model_dir, run_dir=run_dir, sets=sets,
                            result=run_hf(run_dir, "stage3", model_dir, *sets))
+
+
+@pytest.fixture(scope="session")
+def default_job(tmp_path_factory):
+    """The default job (`dstrain run --preset stage2_offload`, written out as examples/default.yaml: the fast
+    lane checks they resolve alike) at the tiny size, 30 steps: test_run checks that its loss falls,
+    test_examples that the example trains. Launched once for both (a launch costs ~12 s)."""
+    from launcher import TINY, dstrain
+    run_dir = tmp_path_factory.mktemp("default") / "run"
+    args = ["run", "--config", str(Path(__file__).parent.parent / "examples" / "default.yaml"),
+            "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir)]
+    for item in (*TINY, "train.max_steps=30", "train.log_every=5", "train.lr=3e-3", "train.warmup_steps=5"):
+        args += ["--set", item]
+    return run_dir, dstrain(*args)

@@ -87,6 +87,11 @@ def train(example: str, run_dir: Path, *sets: str, env: dict | None = None) -> d
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "COLUMNS": "250", **(env or {})})
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return trained(run_dir)
+
+
+def trained(run_dir: Path) -> dict[int, float]:
+    """step -> loss of a run that ended as every example's should: evaluated, with a checkpoint."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_loss" in row for row in rows)
     assert (run_dir / "checkpoints" / "latest").is_file()
@@ -94,10 +99,12 @@ def train(example: str, run_dir: Path, *sets: str, env: dict | None = None) -> d
 
 
 @pytest.mark.integration
-def test_default_example_trains(tmp_path):
-    losses = train("default.yaml", tmp_path / "run", "train.max_steps=3", "model.n_layer=1", "model.d_model=32",
-                   "data.seq_len=32", "train.micro_batch_size=4")
-    assert sorted(losses) == [1, 2, 3]
+def test_default_example_trains(default_job):
+    """conftest's default_job: examples/default.yaml at the tiny size, 30 steps logged every 5 (test_run reads
+    the same run for the README's command, which default.yaml writes out)."""
+    run_dir, result = default_job
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert sorted(trained(run_dir)) == [5, 10, 15, 20, 25, 30]
 
 
 @pytest.mark.integration

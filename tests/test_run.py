@@ -146,11 +146,10 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, stage2_straigh
         assert a[step] == pytest.approx(b[step], rel=1e-5)
 
 
-def test_the_default_job_loss_falls(tmp_path):
-    """The README's main command, shortened: the default model on the embedded corpus learns."""
-    run_dir = tmp_path / "default"
-    result = run_tiny(run_dir, "stage2_offload", "train.max_steps=30", "train.log_every=5", "train.lr=3e-3",
-                      "train.warmup_steps=5")
+def test_the_default_job_loss_falls(default_job):
+    """The README's main command, shortened: the default model on the embedded corpus learns (conftest's
+    default_job, run as examples/default.yaml, which test_examples also checks)."""
+    run_dir, result = default_job
     assert_ok(result)
     steps = losses(run_dir)
     assert steps[30] < steps[5] - 0.3, steps
