@@ -34,8 +34,7 @@ def run_hf(run_dir: Path, preset: str, model_dir: Path, *sets: str, gpus: int = 
     """A tiny Hugging Face model folder (tests/hf_models.py) fine-tuned on bytes, 2 steps unless `sets` say so."""
     args = ["run", "--preset", preset, "--accelerator", "cpu", "--gpus", str(gpus), "--run-dir", str(run_dir)]
     for item in (f"model.name=hf:{model_dir}", "data.tokenizer=byte", "data.seq_len=32", "train.micro_batch_size=2",
-                 "train.max_steps=2",
-                 "train.log_every=1", "train.eval_batches=1", "train.eval_every=1000", *sets):
+                 "train.max_steps=2", "train.log_every=1", "train.eval_batches=1", "train.eval_every=1000", *sets):
         args += ["--set", item]
     return dstrain(*args)
 

@@ -268,8 +268,9 @@ class TrainConfig(Section):
     activations are live instead of the whole sequence's, for one more MLP forward per step. "auto": on
     for an "hf:" model on CUDA when a rank holds at least TILED_MLP_MIN_SEQ_TOKENS (16,384) tokens of one
     sequence (seq_len / sequence_parallel), off otherwise (shorter sequences: a smaller micro batch saves
-    the memory without the recompute, which cost 18-22% of tokens/s at 4 x 2,048 tokens; CPU ranks). true: always (an error for other models, or at
-    ZeRO-3 with frozen weights such as LoRA). See docs/long-context.md."""
+    the memory without the recompute, which cost 18-22% of tokens/s at 4 x 2,048 tokens; CPU ranks).
+    true: always (an error for other models, or at ZeRO-3 with frozen weights such as LoRA). See
+    docs/long-context.md."""
     tiled_mlp_shards: PositiveInt | None = None
     """Shards of train.tiled_mlp. Unset: ceil(tokens per rank per sample / hidden_size), ALST's rule (each
     shard's intermediate activations about as large as the layer's hidden states)."""

@@ -254,8 +254,7 @@ def keep_large_gpt_blocks_whole(resolved: ResolvedConfig, params: int, largest: 
     """The built-in GPT past SMALL_GPT_PARAMS at ZeRO-3 on several GPUs, where speed_defaults left its
     blocks split: keep each block whole as below that size where the memory estimate with them whole fits
     LARGE_GPT_WHOLE_MAX_SHARE of one GPU (`largest`: the model's largest parameter; `gpu_mem`: the smallest
-    GPU's bytes, asked only when the rest
-    applies; None: left split). The launching host's GPUs stand for every node's. With activation
+    GPU's bytes, asked only when the rest applies; None: left split). The launching host's GPUs stand for every node's. With activation
     checkpointing "auto", only where whole blocks leave auto's choice as it was (they would otherwise turn
     it on: recomputing costs more than they gain). Measured on four H200s: 3.78B 1.16x DDP whole against
     0.81x split (35.7 against 30.6 GiB a GPU; two GPUs: 1.08x DDP), 6.6B 1.18x its split rate (54.5 against
