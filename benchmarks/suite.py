@@ -807,6 +807,9 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
             row["peak_gpu_gib"] = intervals[-1]["memory_gib"] if args.accelerator == "cuda" and intervals else None
             ds_written = json.loads((run_dir / "ds_config.json").read_text())
             row["ds_config_matches_rendered"] = ds_written == resolved.ds_config
+            profiled = run_dir / "profile" / "summary-rank0.txt"  # a row with profile.steps set
+            if profiled.is_file():
+                row["profile_summary"] = profiled.read_text()
         else:
             result = json.loads(Path(spec["result_path"]).read_text())
             intervals = result["intervals"]

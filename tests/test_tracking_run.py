@@ -1,5 +1,6 @@
 """One real run (2 CPU ranks, the deepspeed launcher) with every tracker on: what reaches TensorBoard, the
-CSV and W&B (offline, when installed), the end-of-run summary and next commands, and `dstrain report`."""
+CSV and W&B (offline, when installed), the end-of-run summary and next commands, `dstrain report`, and
+the profile of one step on both ranks."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def tracked(tmp_path_factory):
         result = run_tiny(run_dir, "stage2", "train.max_steps=4", "train.log_every=2", "train.eval_every=4",
                           "train.save_every=4", "train.warmup_steps=1", "train.lr=0.002",
                           f"train.log_to=[{trackers}usermods:JsonLinesTracker]",
+                          "profile.steps=1", "profile.start_after=2", "profile.ranks=all",
                           env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     return run_dir, result
 
@@ -87,3 +89,21 @@ def test_a_user_tracker_class_in_log_to_gets_what_metrics_jsonl_gets(tracked):
     assert [r["step"] for r in records if "loss" in r] == [2, 4]
     assert [r["step"] for r in records if "eval_loss" in r] == [4]
     assert records[-1] == {"closed": True}
+
+
+def test_profile_steps_write_each_ranks_trace_and_summary_and_rank0_prints_it(tracked):
+    """profile.steps=1 after 2 steps, every rank: a Chrome trace of real operators per rank, a summary file
+    each, and rank 0's summary lines once in the output (a CPU run: the host's operator table)."""
+    run_dir, result = tracked
+    assert_ok(result)
+    import gzip
+    for rank in (0, 1):
+        with gzip.open(run_dir / "profile" / f"rank{rank}.trace.json.gz", "rt") as f:
+            names = {e.get("name") for e in json.load(f)["traceEvents"]}
+        assert {"aten::mm", "aten::addmm"} & names, sorted(n for n in names if n)[:20]
+        summary = (run_dir / "profile" / f"summary-rank{rank}.txt").read_text()
+        assert summary.startswith(f"profiled 1 optimizer step(s) after 2 on rank {rank}; trace: "), summary[:200]
+        assert "no device activity recorded" in summary and "Self CPU" in summary
+    assert not list((run_dir / "profile").glob("*.partial*"))
+    assert result.stdout.count("profiled 1 optimizer step(s) after 2 on rank 0") == 1, result.stdout
+    assert "on rank 1" not in result.stdout

@@ -156,6 +156,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
                                 _where(merged, "train.export_final"),
                                 "set model.lora (e.g. --set model.lora={r: 16}), or use train.export_final=hf"))
     _warmup_warning(config, rendered, merged, warnings)
+    _profile_warning(config, merged, warnings)
     if problems:
         raise UserError(problems)
 
@@ -524,6 +525,15 @@ def _warmup_warning(config: RunConfig, ds: dict[str, Any], merged: Merged, warni
         warnings.append(f"{_where(merged, key)}: warmup of {warmup} steps >= train.max_steps "
                         f"({steps}): the learning rate never reaches train.lr (it ends at {min(steps, warmup) / warmup:.0%} "
                         f"of it); set {key} below max_steps, e.g. --set {key}={steps // 10}")
+
+
+def _profile_warning(config: RunConfig, merged: Merged, warnings: list[str]) -> None:
+    """A profile window the run never reaches: profiling was asked for and nothing would be written."""
+    profile, steps = config.profile, config.train.max_steps
+    if profile.steps and profile.start_after >= steps:
+        warnings.append(f"{_where(merged, 'profile.start_after')}: profiling starts after {profile.start_after} "
+                        f"steps but the run trains {steps} (train.max_steps): nothing would be profiled; "
+                        f"set --set profile.start_after={max(0, steps - profile.steps)}")
 
 
 GPT_ONLY_KEYS = ("n_layer", "n_head", "d_model", "dropout")  # the built-in GPT's shape; other models bring theirs

@@ -420,6 +420,25 @@ class SpeedupsConfig(Section):
         return value.strip().lower() if isinstance(value, str) else value
 
 
+class ProfileConfig(Section):
+    """torch.profiler over a few optimizer steps: a Chrome trace per profiled rank in <run dir>/profile/
+    (Perfetto or chrome://tracing open it) and a summary beside it: the device's compute and copy time a
+    step, how much of the copies ran under compute, the host's time waiting on the device, the top
+    operators. Off unless profile.steps is set: `dstrain run --set profile.steps=2`."""
+
+    steps: int = Field(0, ge=0)
+    """Optimizer steps to profile; 0: no profiling."""
+    start_after: int = Field(3, ge=0)
+    """Optimizer steps this run trains before profiling starts (compilation, DeepSpeed's first fetch
+    trace and the caches' warm-up stay out of the window)."""
+    ranks: list[Annotated[int, Field(ge=0)]] | Literal["all"] = [0]
+    """Ranks that profile: a list of global ranks, or "all"."""
+    record_shapes: bool = False
+    """Record each operator's input shapes (larger traces)."""
+    with_stack: bool = False
+    """Record the Python stack of each operator (much larger traces, slower steps)."""
+
+
 class RunConfig(Section):
     """One training run. Layering (lowest to highest): schema defaults < preset < --config file
     < PL_DEEPSPEED_CONFIG_PATH < --set; see `dstrain.config.layers`."""
@@ -434,6 +453,8 @@ class RunConfig(Section):
     """The training loop."""
     speedups: SpeedupsConfig = SpeedupsConfig()
     """dstrain's changes to DeepSpeed's internals, each on or off (dstrain/speedups/)."""
+    profile: ProfileConfig = ProfileConfig()
+    """torch.profiler over a few steps (off by default)."""
     deepspeed: dict[str, Any] = {}
     """The DeepSpeed config (as in a DeepSpeed JSON); batch, precision, lr and clipping keys are
     linked to their train.* counterparts and "auto" values are filled in from the run config."""

@@ -31,6 +31,7 @@ from dstrain.rank.checkpointing import Checkpointer
 from dstrain.rank.evaluation import Evaluator
 from dstrain.rank.health import Guard, HealthState, RunUnhealthy
 from dstrain.rank.metrics import MetricsLog, engine_stats
+from dstrain.rank.profiling import StepProfiler
 
 
 @dataclass
@@ -91,6 +92,8 @@ class LoopParts:
     activations: Callable[[], Any] = contextlib.nullcontext
     """The context each micro batch's forward and backward run in (train.activation_checkpointing_offload:
     dstrain.rank.runtime.activation_offload)."""
+    profiler: StepProfiler | None = None
+    """torch.profiler around profile.steps steps (None: this rank does not profile)."""
 
     @classmethod
     def build(cls, engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler, device, metrics: MetricsLog,
@@ -104,7 +107,8 @@ class LoopParts:
         checkpointer = Checkpointer(engine, run_dir, config.train, lambda step: {
             **client_state(step), "health": health.client_state(), "early_stop": evaluator.early.client_state()})
         from dstrain.rank.runtime import activation_offload
-        return cls(train_sampler, device, metrics, guard, evaluator, checkpointer, activation_offload(config))
+        return cls(train_sampler, device, metrics, guard, evaluator, checkpointer, activation_offload(config),
+                   StepProfiler.build(config, run_dir, dist.get_rank()))
 
 
 @dataclass
@@ -151,8 +155,12 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
     while state.step < t.max_steps:
         lr = engine.optimizer.param_groups[0]["lr"]  # get_lr() warns before the first step
         data_step = guard.data_step(state.step)
+        if parts.profiler:
+            parts.profiler.step_begins()
         step_loss, fetch_s = _optimizer_step(engine, t, parts.train_sampler, data_step, state.step, layout,
                                              parts.device, parts.activations)
+        if parts.profiler:
+            _say(metrics, parts.profiler.step_ended(), rank)
         # a pure function of the sample indices: no collective needed, rank 0 counts
         real_tokens = (parts.train_sampler.real_tokens(data_step * t.global_batch_size, t.global_batch_size)
                        if rank == 0 else 0)
@@ -201,8 +209,17 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
         if stopping or state.early_stopped:
             break
     vote.result()  # leave no collective in flight
+    if parts.profiler:  # a run that stopped inside the profiled steps
+        _say(metrics, parts.profiler.finish(), rank)
     metrics.finish(state, saved_checkpoint=t.save_checkpoints)
     return state
+
+
+def _say(metrics: MetricsLog, lines: list[str], rank: int) -> None:
+    """The profile's summary: rank 0 prints it (the others' is in their summary files)."""
+    if rank == 0:
+        for line in lines:
+            metrics.note(line)
 
 
 def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, layout: Layout, device,
