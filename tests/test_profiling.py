@@ -32,6 +32,11 @@ def test_the_summary_splits_device_time_into_compute_copies_overlap_and_idle():
         _event("cuda_runtime", "cudaEventSynchronize", 0, 50 * ms),
         _event("cuda_runtime", "cudaMemcpyAsync", 0, 999 * ms),  # launches a copy: not a wait
         {"ph": "i", "cat": "kernel", "name": "marker", "ts": 5000 * ms},  # no duration: skipped
+        _event("user_annotation", "dstrain/forward", 0, 100 * ms), _event("user_annotation", "dstrain/backward",
+                                                                          100 * ms, 600 * ms),
+        _event("user_annotation", "dstrain/step", 700 * ms, 20 * ms), _event("user_annotation", "other", 0, 5 * ms),
+        _event("gpu_user_annotation", "dstrain/forward", 0, 300 * ms),
+        _event("gpu_user_annotation", "dstrain/backward", 300 * ms, 700 * ms),
     ]}
     assert summarize_trace(trace, steps=2) == [
         "device time a step: 500.0 ms from its first to its last operation",
@@ -39,13 +44,16 @@ def test_the_summary_splits_device_time_into_compute_copies_overlap_and_idle():
         "  copies to the device: 100.0 ms, 4.00 GB (40.0 GB/s), 50% of it under compute",
         "  copies to the host: 50.0 ms, 1.00 GB (20.0 GB/s), 0% of it under compute",
         "  nothing running on the device: 50.0 ms",
-        "host waiting on the device (synchronize calls): 125.0 ms"]
+        "host waiting on the device (synchronize calls): 125.0 ms",
+        "host time a step in the loop's forward / backward / step: 50.0 / 300.0 / 10.0 ms",
+        "device time a step in the loop's forward / backward / step: 150.0 / 350.0 / 0.0 ms"]
 
 
 def test_a_trace_without_device_events_says_so():
     trace = {"traceEvents": [_event("cpu_op", "aten::mm", 0, 10)]}
     assert summarize_trace(trace, steps=1) == [
-        "no device activity recorded (a CPU run): the operator table below is the host's"]
+        "no device activity recorded (a CPU run): the operator table below is the host's",
+        "host time a step in the loop's forward / backward / step: 0.0 / 0.0 / 0.0 ms"]
 
 
 def test_the_profiler_covers_the_steps_after_start_after_and_writes_trace_and_summary(tmp_path):

@@ -104,6 +104,10 @@ def test_profile_steps_write_each_ranks_trace_and_summary_and_rank0_prints_it(tr
         summary = (run_dir / "profile" / f"summary-rank{rank}.txt").read_text()
         assert summary.startswith(f"profiled 1 optimizer step(s) after 2 on rank {rank}; trace: "), summary[:200]
         assert "no device activity recorded" in summary and "Self CPU" in summary
+        # the loop's phases, marked while the profile runs: each took some of the host's time
+        phases = re.search(r"host time a step in the loop's forward / backward / step: (\S+) / (\S+) / (\S+) ms",
+                           summary)
+        assert phases and all(float(v.replace(",", "")) > 0 for v in phases.groups()), summary[:600]
     assert not list((run_dir / "profile").glob("*.partial*"))
     assert result.stdout.count("profiled 1 optimizer step(s) after 2 on rank 0") == 1, result.stdout
     assert "on rank 1" not in result.stdout

@@ -31,7 +31,7 @@ from dstrain.rank.checkpointing import Checkpointer
 from dstrain.rank.evaluation import Evaluator
 from dstrain.rank.health import Guard, HealthState, RunUnhealthy
 from dstrain.rank.metrics import MetricsLog, engine_stats
-from dstrain.rank.profiling import StepProfiler
+from dstrain.rank.profiling import StepProfiler, phase
 
 
 @dataclass
@@ -236,13 +236,15 @@ def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, layout:
         fetch_s += time.perf_counter() - fetch_start
         with activations():  # spans forward and backward: what forward offloads, backward brings back
             heartbeat.beat("forward")
-            loss = engine(batch)
+            with phase("forward"):
+                loss = engine(batch)
             heartbeat.beat("backward")
-            engine.backward(loss)
+            with phase("backward"):
+                engine.backward(loss)
         heartbeat.beat("step")
         # Outside autograd: DeepSpeed 0.18's ZeRO-1/2 step all-gathers into views of a flat buffer, which
         # torch 2.13 refuses to write in place while grad mode is on (gloo); 0.19's step is the same either way.
-        with torch.no_grad():
+        with torch.no_grad(), phase("step"):
             engine.step()
         step_loss += loss.detach().float()
     return step_loss, fetch_s

@@ -9,6 +9,7 @@ an offload run's fetches that overlap compute from ones that stall it.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 from dataclasses import dataclass
@@ -19,6 +20,15 @@ import torch
 # Host calls that block until the device catches up: their time is the host waiting on it.
 _HOST_WAITS = {"cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
                "hipStreamSynchronize", "hipEventSynchronize", "hipDeviceSynchronize", "hipMemcpy"}
+
+
+PHASES = ("forward", "backward", "step")  # the train loop's marks, "dstrain/<phase>" in a trace
+_profiling = False  # a profiler window is open in this process: the loop marks its phases
+
+
+def phase(name: str):
+    """Marks a phase of the train loop in the trace while a profile runs; nothing otherwise."""
+    return torch.profiler.record_function(f"dstrain/{name}") if _profiling else contextlib.nullcontext()
 
 
 @dataclass
@@ -50,6 +60,7 @@ class StepProfiler:
         self._profiler = profile(activities=activities, record_shapes=self.record_shapes, with_stack=self.with_stack)
         _synchronize()  # the window starts with nothing of earlier steps still running
         self._profiler.start()
+        _set_profiling(True)
 
     def step_ended(self) -> list[str]:
         """Call after each optimizer step; returns the summary's device lines when profiling ends here."""
@@ -65,6 +76,7 @@ class StepProfiler:
         _synchronize()
         profiler, self._profiler, self._done = self._profiler, None, True
         profiler.stop()
+        _set_profiling(False)
         steps = self._trained - self.start_after
         self.out_dir.mkdir(parents=True, exist_ok=True)
         trace = self.out_dir / f"rank{self.rank}.trace.json.gz"
@@ -87,6 +99,7 @@ def summarize_trace(trace: dict, steps: int) -> list[str]:
     time in calls that wait for the device."""
     kernels, to_device, from_device, host_waits = [], [], [], 0.0
     moved = {"HtoD": 0, "DtoH": 0}
+    phases = {side: dict.fromkeys(PHASES, 0.0) for side in ("host", "device")}  # time in the loop's marks
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X" or "dur" not in event:
             continue
@@ -100,8 +113,16 @@ def summarize_trace(trace: dict, steps: int) -> list[str]:
             moved[direction] += int(event.get("args", {}).get("bytes", 0))
         elif category in ("cuda_runtime", "cuda_driver") and name in _HOST_WAITS:
             host_waits += span[1] - span[0]
+        elif category in ("user_annotation", "gpu_user_annotation") and name[len("dstrain/"):] in PHASES \
+                and name.startswith("dstrain/"):
+            side = "host" if category == "user_annotation" else "device"
+            phases[side][name[len("dstrain/"):]] += span[1] - span[0]
+    def marked(side: str) -> str:
+        return (f"{side} time a step in the loop's forward / backward / step: "
+                + " / ".join(f"{phases[side][name] / 1000 / steps:,.1f}" for name in PHASES) + " ms")
+
     if not (kernels or to_device or from_device):
-        return ["no device activity recorded (a CPU run): the operator table below is the host's"]
+        return ["no device activity recorded (a CPU run): the operator table below is the host's", marked("host")]
     compute, up, down = _union(kernels), _union(to_device), _union(from_device)
     everything = _union(kernels + to_device + from_device)
     window = everything[-1][1] - everything[0][0]
@@ -126,7 +147,12 @@ def summarize_trace(trace: dict, steps: int) -> list[str]:
             f"  copies to the host: {ms(down_total)}, {volume('DtoH', down_total)}, "
             f"{share(down_under, down_total)} of it under compute",
             f"  nothing running on the device: {ms(window - _length(everything))}",
-            f"host waiting on the device (synchronize calls): {ms(host_waits)}"]
+            f"host waiting on the device (synchronize calls): {ms(host_waits)}", marked("host"), marked("device")]
+
+
+def _set_profiling(on: bool) -> None:
+    global _profiling
+    _profiling = on
 
 
 def _synchronize() -> None:
