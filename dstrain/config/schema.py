@@ -407,6 +407,9 @@ class SpeedupsConfig(Section):
     """ZeRO-3 CPU offload: the optimizer step on a worker thread beside the next forward (off: before it)."""
     offload_overlap_threads: int = Field(0, ge=0)
     """CPU threads of the overlapped step's worker; 0: one fewer than the rank's."""
+    offload_fetch_wait: bool = True
+    """ZeRO-3 with the parameters offloaded, one GPU: a fetched parameter's copy waited for by the GPU's
+    streams instead of the host (off: DeepSpeed's stream synchronize at every fetch)."""
     offload_gil_handoff: bool = True
     """ZeRO-3 CPU offload with offload_overlap: Python's switch interval shortened so that the worker and
     the training thread hand the GIL over quickly (off: Python's 5 ms)."""

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dstrain.speedups import (cpu_adam_nogil, cuda_stream, offload_chunked_step, offload_chunked_step_zero3,
-                              offload_grads_zero3, offload_overlap_zero3, offload_syncs, zero3_flatten, zero3_grads,
-                              zero3_step, zero3_unhook)
+                              offload_fetch_wait, offload_grads_zero3, offload_overlap_zero3, offload_syncs,
+                              zero3_flatten, zero3_grads, zero3_step, zero3_unhook)
 from dstrain.speedups.state import SpeedupState, ensure_state
 
 # The DeepSpeed releases on which every change's bit-identity tests passed (tests/test_zero3_step.py,
@@ -143,6 +143,11 @@ REGISTRY: tuple[Speedup, ...] = (
             lambda engine, settings, state: offload_overlap_zero3.install(
                 engine, state, settings.offload_overlap_threads, settings.offload_gil_handoff),
             "the step beside the next forward", "CPU offload", requires=("offload_chunks_zero3", "cpu_adam_nogil")),
+    Speedup("offload_fetch_wait", ("deepspeed.runtime.zero.partition_parameters.NoGatherHandle.wait",
+                                   "deepspeed.runtime.zero.partition_parameters.NoGatherCoalescedHandle.wait"),
+            "offload_fetch_wait", offload_fetch_wait.applies,
+            lambda engine, settings, state: offload_fetch_wait.install(engine, state),
+            "fetched parameters waited for by the GPU, not the host", "CPU offload"),
     Speedup("zero3_step", ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.step",),
             "zero3_step", zero3_step.applies, lambda engine, settings, state: zero3_step.install(engine, state),
             "the step's release, gradient norm and persistent gather batched", "ZeRO-3"),
