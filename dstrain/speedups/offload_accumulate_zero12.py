@@ -59,14 +59,15 @@ def device_bytes(optimizer) -> int:
 
 
 def fits(optimizer) -> str | None:
-    """auto's rule: why the buffers would not fit on the device (None: they do), leaving AUTO_HEADROOM of
-    its memory free for activations. A CPU accelerator's memory is the host's: always fits."""
+    """auto's rule (ZeRO-3's too, offload_accumulate_zero3.py): why the buffers stay off (None: they go
+    on): only on a CUDA device (a CPU accelerator's buffers are host memory already), and only where they
+    leave AUTO_HEADROOM of its memory free."""
     import torch
+    from deepspeed.accelerator import get_accelerator
 
-    device = optimizer.temp_grad_buffer_for_gpu_offload.device
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
+    if get_accelerator().device_name() != "cuda":
+        return f"auto: a {get_accelerator().device_name()} accelerator, not CUDA (no bus to spare)"
+    free, total = torch.cuda.mem_get_info(optimizer.temp_grad_buffer_for_gpu_offload.device)
     needed = device_bytes(optimizer)
     if free - needed < AUTO_HEADROOM * total:
         return (f"auto: its {needed / 2**30:.1f} GiB of GPU buffers would leave less than "
