@@ -1,13 +1,14 @@
 """ZeRO-3 with the optimizer on the CPU: each gradient partition goes to the host once (registry:
-offload_grads_zero3, offload_bf16_grads_zero3).
+offload_grads_zero3, offload_bf16_grads_zero3; offload_accumulate_zero3's sums are read here).
 
 At a step's only micro-step DeepSpeed copies each reduced gradient partition to its pinned host buffer,
 back to the GPU for its norm and fp32 cast, and to the host again. Where nothing reads the host buffer
 afterwards (no accumulation, bf16 or fp32, no NVMe, ZenFlow or Muon) this does what is left: the norm on
 the GPU and one fp32 copy to the host; with bf16 weights and accumulation the one copy carries bf16 into
-DeepSpeed's host buffer, which the chunked step reads through dstrain's Adam op. Every other call is
-DeepSpeed's own method. The same values (tests/test_offload_step_zero3.py).
-"""
+DeepSpeed's host buffer, which the chunked step reads through dstrain's Adam op. With accumulation over
+several micro steps the same boundary copy is made from the running sum that offload_accumulate_zero3
+keeps on the GPU, where it is installed. Every other call is DeepSpeed's own method. The same values
+(tests/test_offload_step_zero3.py)."""
 
 from __future__ import annotations
 
@@ -94,19 +95,24 @@ def _sub_group_views(optimizer):
 
 
 def _partition_grads(self, params_to_release, grad_partitions):
-    """partition_grads for a step's only micro-step: norm and fp32 copy straight from the GPU partition
-    (bf16 into DeepSpeed's host buffer, with bf16_zero3_offload_grads). Anything else (accumulation, a
-    rounding the host buffer would have done) is DeepSpeed's method."""
+    """partition_grads at a step's boundary micro-step: norm and fp32 copy straight from the GPU (bf16
+    into DeepSpeed's host buffer, with bf16_zero3_offload_grads), from the partition itself at a step's
+    only micro-step, or from its running sum on the GPU (offload_accumulate_zero3), which the micro steps
+    before the boundary only add to. Anything else (accumulation without those sums, a rounding the host
+    buffer would have done) is DeepSpeed's method."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
+    state = self.dstrain_speedups
+    sums = state.grad_sums  # ds_id -> the parameter's running sum on the GPU, or None
+    boundary = self.is_gradient_accumulation_boundary()
     accumulate = self.gradient_accumulation_dtype
-    if (self.micro_step_id != 0 or not self.is_gradient_accumulation_boundary()
-            or any(g.dtype != accumulate and accumulate != torch.float32 for g in grad_partitions)):
-        self.dstrain_speedups.grads_in_bf16 = False  # DeepSpeed's copies fill the fp32 buffer the step reads
-        return self.dstrain_speedups.deepspeed_partition_grads(params_to_release, grad_partitions)
-    in_bf16 = self.dstrain_speedups.bf16_grads is not None
-    self.dstrain_speedups.grads_in_bf16 = in_bf16
+    if sums is None and (self.micro_step_id != 0 or not boundary
+                         or any(g.dtype != accumulate and accumulate != torch.float32 for g in grad_partitions)):
+        state.grads_in_bf16 = False  # DeepSpeed's copies fill the fp32 buffer the step reads
+        return state.deepspeed_partition_grads(params_to_release, grad_partitions)
+    in_bf16 = state.bf16_grads is not None
+    state.grads_in_bf16 = in_bf16
     by_param = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition if in_bf16 else None
     record = not get_accelerator().is_synchronized_device()
     for param, grad_partition in zip(params_to_release, grad_partitions):
@@ -114,16 +120,26 @@ def _partition_grads(self, params_to_release, grad_partitions):
             param.grad = None  # this rank's partition of the parameter is padding only
             continue
         self._offload_boundary_param_ids.add(param.ds_id)  # as DeepSpeed records it
-        param_id = self.get_param_id(param)
-        sub_group, offset, _ = self.grad_position[param_id]
-        # The same values as DeepSpeed's: the host buffer held the partition unchanged (same dtype), or
-        # widened to fp32, which the norm and the cast below do anyway.
-        self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(grad_partition)
-        if in_bf16:  # the step widens it on the host (offload_step_zero3.py)
-            by_param[param.ds_id].narrow(0, 0, grad_partition.numel()).copy_(grad_partition, non_blocking=True)
-        else:
-            fp32_grad = self.fp32_partitioned_groups_flat[sub_group].grad.narrow(0, offset, grad_partition.numel())
-            fp32_grad.copy_(grad_partition.to(dtype=self.master_weights_and_grads_dtype), non_blocking=True)
+        if sums is not None:
+            # DeepSpeed's arithmetic on its host buffer, done in place on the GPU: the first micro step
+            # copies (the partition is in grad_accum_dtype already), later ones add in that dtype.
+            total = sums[param.ds_id].narrow(0, 0, grad_partition.numel())
+            if self.micro_step_id == 0:
+                total.copy_(grad_partition)
+            else:
+                total.add_(grad_partition.to(accumulate).view(total.shape))
+            grad_partition = total
+        if boundary:
+            param_id = self.get_param_id(param)
+            sub_group, offset, _ = self.grad_position[param_id]
+            # The same values as DeepSpeed's: its host buffer held this partition (or sum) unchanged, in
+            # the same dtype, or widened to fp32, which the norm and the cast below do anyway.
+            self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(grad_partition)
+            if in_bf16:  # the step widens it on the host (offload_step_zero3.py)
+                by_param[param.ds_id].narrow(0, 0, grad_partition.numel()).copy_(grad_partition, non_blocking=True)
+            else:
+                fp32_grad = self.fp32_partitioned_groups_flat[sub_group].grad.narrow(0, offset, grad_partition.numel())
+                fp32_grad.copy_(grad_partition.to(dtype=self.master_weights_and_grads_dtype), non_blocking=True)
         if record and param.grad is not None:
             param.grad.record_stream(get_accelerator().current_stream())
         param.grad = None

@@ -49,6 +49,11 @@ class SpeedupState:
     """ZeRO-3 with parameter offload: the op that rounds the new weights to bf16 in the Adam pass."""
     deepspeed_partition_grads: Any = None
     """ZeRO-3: DeepSpeed's own partition_grads, for the calls the direct copy leaves to it."""
+    grad_sums: Any = None
+    """ZeRO-3 with accumulation (offload_accumulate_zero3): ds_id -> the parameter's running gradient sum
+    on the GPU, read by the direct copy's partition_grads; None where DeepSpeed's host buffer sums them."""
+    accumulate_bytes: int = 0
+    """The GPU memory the accumulated gradients' buffers take (offload_accumulate_*)."""
     overlap: Any = None
     """ZeRO-3: the worker thread that runs the step beside the next forward (StepBesideForward)."""
 
