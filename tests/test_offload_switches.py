@@ -33,6 +33,19 @@ def test_the_gradient_copy_switch_reads_bf16_fp32_and_off():
     assert speedups({}, "speedups.offload_grads=false").offload_grads == "off"  # YAML's `off` is false
 
 
+def test_the_accumulation_switch_reads_auto_on_and_off():
+    from dstrain.speedups.registry import BY_NAME
+
+    assert speedups({}).offload_accumulate == "auto"
+    assert speedups({"DSTRAIN_OFFLOAD_ACCUMULATE": " Auto "}).offload_accumulate == "auto"
+    assert speedups({"DSTRAIN_OFFLOAD_ACCUMULATE": "on"}).offload_accumulate is True
+    assert speedups({"DSTRAIN_OFFLOAD_ACCUMULATE": "0"}).offload_accumulate is False
+    assert speedups({}, "speedups.offload_accumulate=off").offload_accumulate is False  # YAML's `off` is false
+    entry = BY_NAME["offload_accumulate_zero3"]
+    assert entry.switched_on(speedups({})) and entry.switched_on(speedups({"DSTRAIN_OFFLOAD_ACCUMULATE": "1"}))
+    assert entry.off_reason(speedups({"DSTRAIN_OFFLOAD_ACCUMULATE": "off"})) == "speedups.offload_accumulate=false"
+
+
 def test_every_speedup_key_has_its_variable_and_set_wins_over_it():
     resolved = resolve(None, None, ["speedups.zero3_hooks=true"], world_size=1, accelerator="cpu",
                        env={"DSTRAIN_ZERO3_STEP": "off", "DSTRAIN_ZERO3_HOOKS": "off", "DSTRAIN_CUDA_STREAM": "0"})

@@ -401,6 +401,12 @@ class SpeedupsConfig(Section):
     """CPU offload: how gradients reach the host. bf16: dstrain's copies, in bf16 where the weights are bf16
     (needs offload_chunks); fp32: ZeRO-3's single copy in fp32, DeepSpeed's copies for ZeRO-1/2;
     off (or false): DeepSpeed's copies."""
+    offload_accumulate: Literal["auto"] | bool = "auto"
+    """ZeRO-3 CPU offload with gradient accumulation: each micro step's gradient partitions summed in GPU
+    buffers (this rank's partition of the parameters, in grad_accum_dtype) instead of DeepSpeed's host
+    buffer, which it copies to the GPU and back at every micro step. auto: on a CUDA GPU where the buffers
+    leave a quarter of its memory free once made; true: wherever it applies (a CPU accelerator too);
+    false (or off): DeepSpeed's copies. Needs offload_grads."""
     offload_host_rounding: bool = True
     """ZeRO-3 with parameter offload: the new weights rounded to bf16 in the Adam pass (off: on the GPU)."""
     offload_overlap: bool = True
@@ -413,6 +419,12 @@ class SpeedupsConfig(Section):
     offload_gil_handoff: bool = True
     """ZeRO-3 CPU offload with offload_overlap: Python's switch interval shortened so that the worker and
     the training thread hand the GIL over quickly (off: Python's 5 ms)."""
+
+    @field_validator("offload_accumulate", mode="before")
+    @classmethod
+    def _auto_or_switch(cls, value):
+        """auto, or a switch's on/off words (YAML reads `off` as false already; pydantic reads the words)."""
+        return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("offload_grads", mode="before")
     @classmethod
