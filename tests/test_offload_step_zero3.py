@@ -1,6 +1,7 @@
-"""dstrain/speedups/offload_chunked_step_zero3.py and offload_grads_zero3.py: ZeRO-3 CPU offload with the step done
-in chunks and each gradient copied to the host once (in bf16 where the weights and the gradient
-accumulation are bf16) trains bit for bit as DeepSpeed's own step and copies
+"""dstrain/speedups/offload_chunked_step_zero3.py, offload_grads_zero3.py and offload_accumulate_zero3.py: ZeRO-3
+CPU offload with the step done in chunks and each gradient copied to the host once (in bf16 where the
+weights and the gradient accumulation are bf16; summed on the device until then where it accumulates)
+trains bit for bit as DeepSpeed's own step and copies
 (real engines, DeepSpeedCPUAdam, one rank in a subprocess so its process group stays out of the test
 process: tests/scripts/offload_step_zero3.py). Integration lane: DeepSpeed start-up and the CPU Adam op."""
 
@@ -14,8 +15,9 @@ from one_rank import run_script
 pytestmark = pytest.mark.integration
 
 # A clip of 0.05 is below every norm here (each step clips); 100 is above them (factor 1: no multiply).
-# Accumulation 2 takes DeepSpeed's gradient copies at each micro-step (the direct copy is for a step's only
-# micro-step); grad_accum_dtype fp32 widens bf16 gradients in the host buffer that the direct copy skips.
+# Accumulation 2 takes DeepSpeed's gradient copies at each micro-step (without offload_accumulate the direct
+# copy is for a step's only micro-step); grad_accum_dtype fp32 widens bf16 gradients in the host buffer that
+# the direct copy skips.
 CPU_CASES = (("bf16", 1, 0.05, True, None, None), ("fp32", 2, 0.05, True, None, None),
              ("bf16", 1, 100.0, False, None, None), ("bf16", 1, 0.05, True, 1, None),
              ("bf16", 1, 0.05, True, None, "fp32"))
@@ -26,10 +28,14 @@ def _params(cases, variants: tuple = ("dstrain",), persist: int = 0) -> dict:
 
 
 def _assert_bit_identical(out: dict, on_gpu: bool, variant: str = "dstrain") -> None:
+    out = {key: by_name for key, by_name in out.items() if variant in by_name}  # the cases run with `variant`
+    assert out, variant
     for key, by_name in out.items():
         ours, theirs = by_name[variant], by_name["deepspeed"]
         in_bf16 = key.startswith("bf16") and not key.endswith("accum_fp32")  # bf16 weights and accumulation
-        assert ours["applied"] == [True, True, in_bf16] + ([True] if variant == "overlap" else []), key
+        accumulating, summed_on_device = int(key.split("-")[1]) > 1, variant.endswith("accumulate")
+        assert ours["applied"] == [True, True, in_bf16] + ([True] if variant.startswith("overlap") else []), key
+        assert ours["accumulated"] is (True if summed_on_device else None), key
         assert theirs["applied"] is None, key
         assert ours["sub_groups"] == 2, key
         # The Adam pass rounds the weights where every bf16 partition is in host memory: on a CPU rank,
@@ -43,17 +49,37 @@ def _assert_bit_identical(out: dict, on_gpu: bool, variant: str = "dstrain") -> 
         assert ours["bit16"] == theirs["bit16"], key
         assert ours["skipped"] == theirs["skipped"] == (1 if key.endswith("overflow") else 0), key
         assert theirs["host_buffer_written"] is True, key
-        # accumulating (DeepSpeed's copies), or the bf16 copy, which goes there
-        assert ours["host_buffer_written"] is (key.startswith(("bf16-2", "fp32-2")) or in_bf16), key
+        # accumulating through DeepSpeed's copies, or the bf16 copy, which goes there
+        assert ours["host_buffer_written"] is ((accumulating and not summed_on_device) or in_bf16), key
         assert ours["masters"] != pytest.approx([0.0] * len(ours["masters"])), key
 
 
-def test_zero3_offload_step_in_chunks_and_direct_grads_are_bit_identical_to_deepspeeds():
+# offload_accumulate_zero3.py, forced on (auto keeps it to CUDA): accumulation 2 and 3, bf16 and fp32
+# accumulation dtype, clipping or not, parameter offload or not, non-finite gradients at a micro step
+# after the first (the sum carries them to the boundary's norm: a skipped step).
+ACCUMULATE_CASES = (("bf16", 2, 0.05, True, 1, None), ("bf16", 3, 100.0, False, None, "fp32"),
+                    ("fp32", 3, 0.05, False, None, None))
+
+
+@pytest.fixture(scope="module")
+def on_cpu() -> dict:
+    """The CPU cases of the two tests below, trained by one rank (one start-up)."""
+    return run_script("offload_step_zero3", {"groups": [(CPU_CASES, ("dstrain", "gpu_rounding")),
+                                                        (ACCUMULATE_CASES, ("accumulate",))], "persist": 0})
+
+
+def test_zero3_offload_step_in_chunks_and_direct_grads_are_bit_identical_to_deepspeeds(on_cpu):
     """The new weights rounded to bf16 by dstrain's Adam op in its pass, from bf16 gradients and (fp32
     accumulation) fp32 ones, with and without clipping; and, switched off, in a pass of their own."""
-    out = run_script("offload_step_zero3", _params(CPU_CASES, ("dstrain", "gpu_rounding")))
-    _assert_bit_identical(out, on_gpu=False)
-    _assert_bit_identical(out, on_gpu=False, variant="gpu_rounding")
+    _assert_bit_identical(on_cpu, on_gpu=False)
+    _assert_bit_identical(on_cpu, on_gpu=False, variant="gpu_rounding")
+
+
+def test_zero3_offload_gradients_summed_on_the_device_are_bit_identical_to_deepspeeds(on_cpu):
+    """The micro steps' gradient partitions summed in device buffers, sent to the host once at the
+    boundary: the same norms, masters and bf16 weights as DeepSpeed's host-buffer sums. (Beside the
+    overlapped step: test_run.py's two-rank stage3_offload test, and the GPU test below.)"""
+    _assert_bit_identical(on_cpu, on_gpu=False, variant="accumulate")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the chunked step rounds to bf16 there")
@@ -72,10 +98,10 @@ OVERLAP_CASES = (("bf16", 1, 0.05, True, None, None), ("fp32", 2, 0.05, True, No
                  ("bf16", 1, 100.0, False, None, None), ("bf16", 1, 0.05, True, 1, None))
 
 
-def _assert_overlapped(out: dict, on_gpu: bool) -> None:
-    _assert_bit_identical(out, on_gpu, variant="overlap")
+def _assert_overlapped(out: dict, on_gpu: bool, variant: str = "overlap") -> None:
+    _assert_bit_identical(out, on_gpu, variant=variant)
     for key, by_name in out.items():
-        ours = by_name["overlap"]
+        ours = by_name[variant]
         assert ours["persistent"] == 4, key  # three biases and the last weight: gathered by the next forward
         assert ours["overlapped_steps"] == 4 - ours["skipped"], key  # every update ran on the worker
         assert ours["waits"] >= ours["overlapped_steps"] - 1, key  # each next forward met a step in progress
@@ -90,6 +116,16 @@ def test_zero3_offload_step_beside_the_next_forward_is_bit_identical_to_deepspee
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the worker queues its copies on a CUDA stream")
 def test_zero3_offload_step_beside_the_next_forward_on_a_gpu_is_bit_identical_to_deepspeeds():
     _assert_overlapped(run_script("offload_step_zero3", _params(OVERLAP_CASES, ("overlap",), persist=100), accelerator="cuda"), on_gpu=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the sums live on its reduce stream")
+def test_zero3_offload_gradients_summed_on_a_gpu_are_bit_identical_to_deepspeeds():
+    """On the GPU the sums are made on DeepSpeed's reduce stream and copied to the host from there; the
+    overlapped step's worker reads the host buffers while the next forward runs."""
+    out = run_script("offload_step_zero3", _params(ACCUMULATE_CASES, ("accumulate", "overlap_accumulate"), persist=100),
+                     accelerator="cuda")
+    _assert_bit_identical(out, on_gpu=True, variant="accumulate")
+    _assert_overlapped(out, on_gpu=True, variant="overlap_accumulate")
 
 
 def test_the_worker_threads_adam_kernel_leaves_the_gil_to_the_training_thread():

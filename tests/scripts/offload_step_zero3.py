@@ -1,8 +1,10 @@
 """tests/test_offload_step_zero3.py's rank: trains the tiny MLP with ZeRO-3 CPU offload, with DeepSpeed's
 own step and with each of params["variants"] of dstrain's (the chunked step and direct gradient copies,
-the bf16 rounding on the GPU, the step overlapped with the next forward), for each case in
+the bf16 rounding on the GPU, the step overlapped with the next forward; with accumulate: the sums
+kept on the device, alone or with the overlap), for each case in
 params["cases"] (precision, accumulation, clip, parameter offload, overflow micro-step, accumulation
-dtype); params["persist"] is the persistence threshold."""
+dtype); params["persist"] is the persistence threshold. params["groups"], where given: several
+[cases, variants] pairs in one start-up instead."""
 
 from __future__ import annotations
 
@@ -56,12 +58,18 @@ def train(device, persist, precision, accum, clip, offload_param, variant, overf
         config["data_types"] = {"grad_accum_dtype": accum_dtype}
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     # chunks of 1,024: each sub-group in several, the last one short
-    applied = None
+    applied = accumulated = None
     if variant != "deepspeed":  # gpu_rounding: the bf16 rounding off the Adam pass, on the GPU if any
-        settings = SpeedupsConfig(offload_chunk_elements=1024, offload_host_rounding=variant != "gpu_rounding")
-        done = apply(engine, settings, only=CHANGES + ("offload_host_rounding",)).applied
-        applied = [name in done for name in CHANGES]
-    if variant == "overlap":
+        # *_accumulate: the sums kept on the device, forced on (auto leaves them off on a CPU accelerator)
+        accumulate = variant.endswith("accumulate")
+        settings = SpeedupsConfig(offload_chunk_elements=1024, offload_host_rounding=variant != "gpu_rounding",
+                                  offload_accumulate=accumulate)
+        report = apply(engine, settings, only=CHANGES + ("offload_host_rounding",)
+                       + (("offload_accumulate_zero3",) if accumulate else ()))
+        applied = [name in report.applied for name in CHANGES]
+        if accumulate:
+            accumulated = "offload_accumulate_zero3" in report.applied or report.not_applied["offload_accumulate_zero3"]
+    if variant.startswith("overlap"):
         applied.append("offload_overlap" in apply(engine, settings, only=("offload_overlap",)).applied)
         state_of(engine).overlap.adam_op = SlowAdam(state_of(engine).overlap.adam_op)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -72,7 +80,7 @@ def train(device, persist, precision, accum, clip, offload_param, variant, overf
         overlap.drain()  # the last step's update: read below
     masters = torch.cat([m.detach().flatten() for m in optimizer.fp32_partitioned_groups_flat]).tolist()
     bit16 = torch.cat([f.detach().float().flatten().cpu() for f in optimizer.fp16_partitioned_groups_flat]).tolist()
-    return {"applied": applied, "norms": norms, "masters": masters, "bit16": bit16,
+    return {"applied": applied, "accumulated": accumulated, "norms": norms, "masters": masters, "bit16": bit16,
             "sub_groups": len(optimizer.fp16_groups), "skipped": engine.skipped_steps,
             # DeepSpeed's host copy of the gradient partitions: the direct copy leaves it unwritten
             "host_buffer_written": bool(optimizer.grad_partitions_flat_buffer.abs().sum() > 0),
@@ -85,12 +93,13 @@ def train(device, persist, precision, accum, clip, offload_param, variant, overf
 def main(params: dict) -> None:
     device = start_rank(params)
     out = {}
-    for precision, accum, clip, offload_param, overflow_at, accum_dtype in params["cases"]:
-        key = f"{precision}-{accum}-clip{clip}" + ("-offload_param" if offload_param else "") + (
-            "-overflow" if overflow_at is not None else "") + (f"-accum_{accum_dtype}" if accum_dtype else "")
-        out[key] = {name: train(device, params["persist"], precision, accum, clip, offload_param, name, overflow_at,
-                                accum_dtype)
-                    for name in ("deepspeed", *params["variants"])}
+    for cases, variants in params.get("groups") or [(params["cases"], params["variants"])]:
+        for precision, accum, clip, offload_param, overflow_at, accum_dtype in cases:
+            key = f"{precision}-{accum}-clip{clip}" + ("-offload_param" if offload_param else "") + (
+                "-overflow" if overflow_at is not None else "") + (f"-accum_{accum_dtype}" if accum_dtype else "")
+            out[key] = {name: train(device, params["persist"], precision, accum, clip, offload_param, name,
+                                    overflow_at, accum_dtype)
+                        for name in ("deepspeed", *variants)}
     result(out)
 
 
