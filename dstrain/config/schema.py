@@ -402,11 +402,12 @@ class SpeedupsConfig(Section):
     (needs offload_chunks); fp32: ZeRO-3's single copy in fp32, DeepSpeed's copies for ZeRO-1/2;
     off (or false): DeepSpeed's copies."""
     offload_accumulate: Literal["auto"] | bool = "auto"
-    """ZeRO-3 CPU offload with gradient accumulation: each micro step's gradient partitions summed in GPU
-    buffers (this rank's partition of the parameters, in grad_accum_dtype) instead of DeepSpeed's host
-    buffer, which it copies to the GPU and back at every micro step. auto: on a CUDA GPU where the buffers
-    leave a quarter of its memory free once made; true: wherever it applies (a CPU accelerator too);
-    false (or off): DeepSpeed's copies. Needs offload_grads."""
+    """ZeRO-2/3 CPU offload with gradient accumulation: each micro step's gradients summed in GPU buffers
+    instead of DeepSpeed's host buffers, which it copies to the GPU and back at every micro step (ZeRO-3:
+    this rank's partition of the parameters, in grad_accum_dtype; ZeRO-2: the whole of each parameter of
+    this rank's partition, in its dtype). auto: on a CUDA GPU where the buffers leave a quarter of its
+    memory free once made; true: wherever it applies (a CPU accelerator too); false (or off): DeepSpeed's
+    copies. ZeRO-3's needs offload_grads."""
     offload_host_rounding: bool = True
     """ZeRO-3 with parameter offload: the new weights rounded to bf16 in the Adam pass (off: on the GPU)."""
     offload_overlap: bool = True

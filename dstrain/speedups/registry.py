@@ -10,10 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstrain.speedups import (cpu_adam_nogil, cuda_stream, offload_accumulate_zero3, offload_chunked_step,
-                              offload_chunked_step_zero3, offload_fetch_wait, offload_grads_zero3,
-                              offload_overlap_zero3, offload_syncs, zero3_flatten, zero3_grads, zero3_step,
-                              zero3_unhook)
+from dstrain.speedups import (cpu_adam_nogil, cuda_stream, offload_accumulate_zero3, offload_accumulate_zero12,
+                              offload_chunked_step, offload_chunked_step_zero3, offload_fetch_wait,
+                              offload_grads_zero3, offload_overlap_zero3, offload_syncs, zero3_flatten, zero3_grads,
+                              zero3_step, zero3_unhook)
 from dstrain.speedups.state import SpeedupState, ensure_state
 
 # The DeepSpeed releases on which every change's bit-identity tests passed (tests/test_zero3_step.py,
@@ -132,6 +132,12 @@ REGISTRY: tuple[Speedup, ...] = (
             lambda engine, settings, state: offload_grads_zero3.install_bf16_grads(engine, state),
             "", "CPU offload", requires=("offload_grads_zero3", "offload_chunks_zero3", "cpu_adam_nogil"),
             on_value="bf16"),
+    Speedup("offload_accumulate_zero12", ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer."
+                                          "async_accumulate_grad_in_cpu_via_gpu",),
+            "offload_accumulate", offload_accumulate_zero12.applies,
+            lambda engine, settings, state: offload_accumulate_zero12.install(
+                engine, state, auto=settings.offload_accumulate == "auto"),
+            offload_accumulate_zero3.describe, "CPU offload"),
     Speedup("offload_accumulate_zero3", ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.partition_grads "
                                          "(the micro steps that accumulate, through offload_grads_zero3's)",),
             "offload_accumulate", offload_accumulate_zero3.applies,
