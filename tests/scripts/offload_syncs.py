@@ -1,6 +1,9 @@
 """tests/test_offload_syncs.py's rank: trains the tiny MLP with ZeRO-1/2 CPU offload, with DeepSpeed's own
 optimizer and with dstrain's patches (no per-parameter syncs; the step in chunks; bf16 gradients to the
-host), for each case in params["cases"] (stage, precision, accumulation, clip, overflow micro-step)."""
+host; where it applies, the accumulated gradients kept on the device), for each case in params["cases"]
+(stage, precision, accumulation, clip, overflow micro-step); and for each of params["accumulate_cases"]
+(the same, and whether to compose), with DeepSpeed's own accumulation and with the sums kept on the
+device, alone and (composed) beside the other patches."""
 
 from __future__ import annotations
 
@@ -12,7 +15,17 @@ from dstrain.speedups import apply, state_of
 from scripts.rank_setup import parameters, result, start_rank
 from scripts.tiny_mlp import tiny_mlp, train_tiny_mlp
 
-PATCHES = (("deepspeed", ()), ("syncs", ("syncs",)), ("dstrain", ("syncs", "chunks")), ("bf16", ("syncs", "bf16")))
+PATCHES = (("deepspeed", ()), ("syncs", ("syncs",)), ("dstrain", ("syncs", "chunks", "accumulate")),
+           ("bf16", ("syncs", "bf16")))
+ACCUMULATE_PATCHES = (("deepspeed", ()), ("accumulate", ("accumulate",)))
+COMPOSED_PATCHES = (("bf16", ("syncs", "bf16")), ("all", ("syncs", "bf16", "accumulate")))
+
+
+def accumulate_on_device(engine) -> dict:
+    """speedups.offload_accumulate forced on (true): whether its ZeRO-1/2 entry applied, and why not."""
+    report = apply(engine, SpeedupsConfig(offload_accumulate=True), only=("offload_accumulate_zero12",))
+    return {"applied": "offload_accumulate_zero12" in report.applied,
+            "reason": report.not_applied.get("offload_accumulate_zero12")}
 
 
 def train(device, stage, precision, accum, clip, patches, overflow_at=None):
@@ -36,12 +49,17 @@ def train(device, stage, precision, accum, clip, patches, overflow_at=None):
         applied["chunks"], applied["bf16"] = "offload_chunks" in done, "offload_bf16_grads" in done
         if applied["bf16"]:
             state_of(engine).bf16_grads = (state_of(engine).bf16_grads[0], 1024)
+    if "accumulate" in patches:
+        accumulate = accumulate_on_device(engine)
+        applied["accumulate"] = accumulate["applied"] or accumulate["reason"]
     tracker = engine.optimizer.update_offload_overflow_tracker
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     norms = train_tiny_mlp(engine, 4 * accum, dtype, device, overflow_at)
     weights = torch.cat([p.detach().float().flatten() for p in engine.module.parameters()]).tolist()
+    masters = torch.cat([m.detach().flatten() for m in engine.optimizer.single_partition_of_fp32_groups]).tolist()
     return {"applied": applied, "tracker_patched": getattr(tracker, "__name__", "") == "_no_overflow_tracking",
             "norms": norms, "weights": weights, "skipped": engine.skipped_steps,
+            "masters": masters,
             "pinned": engine.optimizer.single_partition_of_fp32_groups[0].is_pinned()}
 
 
@@ -53,6 +71,10 @@ def main(params: dict) -> None:
     for stage, precision, accum, clip, overflow_at in params["cases"]:
         key = f"{stage}-{precision}-{accum}-clip{clip}" + ("-overflow" if overflow_at is not None else "")
         out[key] = {name: train(device, stage, precision, accum, clip, patches, overflow_at) for name, patches in PATCHES}
+    for stage, precision, accum, clip, overflow_at, composed in params.get("accumulate_cases", ()):
+        key = f"accumulate-{stage}-{precision}-{accum}-clip{clip}" + ("-overflow" if overflow_at is not None else "")
+        out[key] = {name: train(device, stage, precision, accum, clip, patches, overflow_at)
+                    for name, patches in ACCUMULATE_PATCHES + (COMPOSED_PATCHES if composed else ())}
     result(out)
 
 
