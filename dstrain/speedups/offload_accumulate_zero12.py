@@ -59,16 +59,20 @@ def device_bytes(optimizer) -> int:
 
 
 def fits(optimizer) -> str | None:
-    """auto's rule (ZeRO-3's too, offload_accumulate_zero3.py): why the buffers stay off (None: they go
-    on): only on a CUDA device (a CPU accelerator's buffers are host memory already), and only where they
-    leave AUTO_HEADROOM of its memory free."""
+    """auto's rule for these buffers: why they stay off (None: they go on)."""
+    return auto_refusal(device_bytes(optimizer), optimizer.temp_grad_buffer_for_gpu_offload.device)
+
+
+def auto_refusal(needed: int, device) -> str | None:
+    """auto's rule for both stages' GPU sums (offload_accumulate_zero3.py too): only on a CUDA device (a CPU
+    accelerator's buffers are host memory already), and only where `needed` bytes leave AUTO_HEADROOM of
+    its memory free; the reason where not."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cuda":
         return f"auto: a {get_accelerator().device_name()} accelerator, not CUDA (no bus to spare)"
-    free, total = torch.cuda.mem_get_info(optimizer.temp_grad_buffer_for_gpu_offload.device)
-    needed = device_bytes(optimizer)
+    free, total = torch.cuda.mem_get_info(device)
     if free - needed < AUTO_HEADROOM * total:
         return (f"auto: its {needed / 2**30:.1f} GiB of GPU buffers would leave less than "
                 f"{AUTO_HEADROOM:.0%} of the GPU free ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)")

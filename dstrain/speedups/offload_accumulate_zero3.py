@@ -20,10 +20,8 @@ only at the boundary.
 
 from __future__ import annotations
 
-# auto's rule, the same as ZeRO-1/2's buffers of the same switch: the buffers must leave at least this
-# share of the GPU's memory free, since the forward's activations are not yet allocated when dstrain
-# applies its changes and their peak is not known.
-from dstrain.speedups.offload_accumulate_zero12 import AUTO_HEADROOM
+# auto's rule is shared with ZeRO-1/2's buffers of the same switch.
+from dstrain.speedups.offload_accumulate_zero12 import auto_refusal
 
 
 def applies(engine) -> str | None:
@@ -55,20 +53,11 @@ def device_bytes(optimizer) -> int:
 
 
 def fits(optimizer) -> str | None:
-    """auto's rule: why the sums stay off (None: they go on): only on a CUDA device (a CPU accelerator's
-    buffer is host memory already), and only where they leave AUTO_HEADROOM of its memory free."""
+    """auto's rule (ZeRO-2's too): why the sums stay off (None: they go on)."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() != "cuda":
-        return f"auto: a {get_accelerator().device_name()} accelerator, not CUDA (no bus to spare)"
-    device = torch.device(get_accelerator().current_device_name())
-    free, total = torch.cuda.mem_get_info(device)
-    needed = device_bytes(optimizer)
-    if free - needed < AUTO_HEADROOM * total:
-        return (f"auto: its {needed / 2**30:.1f} GiB of GPU buffers would leave less than "
-                f"{AUTO_HEADROOM:.0%} of the GPU free ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)")
-    return None
+    return auto_refusal(device_bytes(optimizer), torch.device(get_accelerator().current_device_name()))
 
 
 def install(engine, state, auto: bool = False) -> str | None:
