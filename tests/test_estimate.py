@@ -398,6 +398,43 @@ def test_every_shipped_preset_renders_to_the_placement_its_name_promises():
     assert recommend(estimates)[0] == "stage1"
 
 
+def test_offload_with_accumulation_counts_the_gpu_gradient_sums_where_auto_makes_them():
+    """speedups.offload_accumulate: with the optimizer offloaded and accumulation, ZeRO-2 and 3 sum the gradients
+    on the GPU (a rank's share in bf16), where they leave a quarter of the GPU free, as the ranks decide."""
+    from dataclasses import replace
+
+    from dstrain.speedups.offload_accumulate_zero12 import AUTO_HEADROOM
+    from dstrain.tools.estimate.memory import OFFLOAD_SUMS_HEADROOM
+
+    assert OFFLOAD_SUMS_HEADROOM == AUTO_HEADROOM
+    accumulating = replace(LLAMA_7B, grad_accum_steps=8)
+    for stage, param in ((2, "none"), (3, "none"), (3, "cpu")):
+        placement = Placement(stage, "cpu", param, precision="bf16")
+        roomy = estimate_one("s", placement, accumulating, node(gpus=2, gpu_gib=141))
+        assert roomy.gpu_breakdown["buffers"]["offload_gradient_sums"] == 2 * -(-LLAMA_7B.params // 2), stage
+        without = estimate_one("s", placement, LLAMA_7B, node(gpus=2, gpu_gib=141))
+        assert "offload_gradient_sums" not in without.gpu_breakdown["buffers"]  # accumulation 1
+        added = roomy.gpu_bytes_per_gpu - without.gpu_bytes_per_gpu
+        # ZeRO-2's peak is the fp32 model built on the GPU, before the sums exist
+        assert added == (2 * -(-LLAMA_7B.params // 2) if stage == 3 else 0), stage
+        switched_off = replace(accumulating, offload_accumulate=False)
+        assert "offload_gradient_sums" not in estimate_one("s", placement, switched_off, node(gpus=2, gpu_gib=141)
+                                                           ).gpu_breakdown["buffers"]
+    # 13.5 GB of sums on one 16 GiB GPU would not leave a quarter free: auto does not make them; true does
+    tight = node(gpus=1, gpu_gib=16)
+    assert "offload_gradient_sums" not in estimate_one("s", Placement(3, "cpu", "cpu", precision="bf16"),
+                                                       accumulating, tight).gpu_breakdown["buffers"]
+    forced = replace(accumulating, offload_accumulate=True)
+    assert "offload_gradient_sums" in estimate_one("s", Placement(3, "cpu", "cpu", precision="bf16"), forced,
+                                                   tight).gpu_breakdown["buffers"]
+    # ZeRO-1 has no such sums; neither has a CPU accelerator
+    assert "offload_gradient_sums" not in estimate_one("s", Placement(1, "cpu", precision="bf16"), accumulating,
+                                                       node(gpus=2, gpu_gib=141)).gpu_breakdown["buffers"]
+    assert "offload_gradient_sums" not in estimate_one("s", Placement(2, "cpu", precision="bf16"), accumulating,
+                                                       node(gpus=2, gpu_gib=141, accelerator="cpu")
+                                                       ).gpu_breakdown["buffers"]
+
+
 def test_cpu_offload_counts_the_offload_steps_gpu_staging_chunk():
     """dstrain's offload steps round to bf16 on the GPU from one fp32 chunk: 32 MiB with the optimizer on
     the CPU, 48 MiB for ZeRO-3 with the parameters there too (the bf16 chunk goes back to the host)."""

@@ -69,6 +69,9 @@ Working buffers on the GPU:
   cost 2 bytes each on every GPU instead of 2/N.
 - ZeRO-1/2 with offload_optimizer=cpu: dstrain's offload step sends each chunk of updated fp32
   weights to a GPU staging buffer and rounds it to bf16 there: 4 bytes x min(8M, P), 32 MiB at most.
+- ZeRO-2/3 with offload_optimizer=cpu and gradient accumulation: dstrain sums the gradients on the GPU
+  between micro steps (speedups.offload_accumulate), a rank's share in the model's dtype (w * n), where
+  that leaves a quarter of the GPU free before activations (auto's rule on the ranks), on CUDA only.
 - gradient reduction buckets with contiguous_gradients: `reduce_bucket_size` elements of w bytes,
   two of them for stage 1/2 with overlap_comm (stage_1_and_2.py `setup_buckets`), one for stage 3.
 - a fixed runtime overhead: CUDA context, cuBLAS workspaces, NCCL communicators and allocator
@@ -118,6 +121,9 @@ GiB = 1024**3
 
 
 GPU_HEADROOM = 0.9
+# dstrain/speedups/offload_accumulate_zero12.py's AUTO_HEADROOM (tools may not import the rank side; a test
+# keeps the two equal): auto makes the GPU gradient sums only where they leave this share of the GPU free.
+OFFLOAD_SUMS_HEADROOM = 0.25
 """Fraction of GPU memory a preset may plan to use: fragmentation and transient peaks take the rest."""
 
 GPU_RUNTIME_OVERHEAD_BYTES = 1 * GiB
@@ -201,6 +207,10 @@ class Workload:
     """An hf: model's decoder layers' parameters, all of them (None: the built-in GPT's shape counts)..."""
     layer_largest: int | None = None
     """... and their largest single parameter: a persistence threshold at or above it keeps them whole."""
+    grad_accum_steps: int = 1
+    """train.grad_accum_steps: with the optimizer offloaded, dstrain may sum the gradients on the GPU."""
+    offload_accumulate: str | bool = "auto"
+    """speedups.offload_accumulate: whether those sums may live on the GPU (auto: where they leave room)."""
 
 
 @dataclass
@@ -442,7 +452,9 @@ def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpoi
                     # train.activation_checkpointing_offload puts an hf: model's block inputs on the host too
                     cpu_checkpointing=bool(ac.get("cpu_checkpointing") or cfg.train.activation_checkpointing_offload),
                     precision=cfg.train.precision, sequence_parallel=cfg.train.sequence_parallel,
-                    tiled_mlp=cfg.train.tiled_mlp is True, tiled_mlp_shards=cfg.train.tiled_mlp_shards, **fields)
+                    tiled_mlp=cfg.train.tiled_mlp is True, tiled_mlp_shards=cfg.train.tiled_mlp_shards,
+                    grad_accum_steps=cfg.train.grad_accum_steps, offload_accumulate=cfg.speedups.offload_accumulate,
+                    **fields)
 
 
 def estimate_one(name: str, placement: Placement, work: Workload, hw: Hardware) -> PresetEstimate:
@@ -621,6 +633,15 @@ def _gpu_buffers(placement: Placement, work: Workload, w: int) -> dict[str, int]
     return buffers
 
 
+def _gradient_sums_bytes(placement: Placement, work: Workload, hw: Hardware, w: int) -> int:
+    """dstrain's GPU-side gradient sums with the optimizer offloaded and accumulation (speedups.offload_accumulate):
+    one rank's share of the gradients in the model's dtype, ZeRO-2 and 3, CUDA only; 0 where they cannot be."""
+    if (work.offload_accumulate is False or work.grad_accum_steps <= 1 or placement.offload_optimizer != "cpu"
+            or placement.stage < 2 or hw.accelerator != "cuda"):
+        return 0
+    return w * -(-work.params // hw.total_gpus)
+
+
 def _builds_on_gpu(placement: Placement, hw: Hardware) -> bool:
     # dstrain builds stage 0-2 models on the GPU in fp32 (dstrain.models.build_model) before DeepSpeed
     # casts them: a peak of its own where the steady state keeps less (optimizer offload, many ranks).
@@ -632,6 +653,10 @@ def _gpu_side(placement: Placement, work: Workload, hw: Hardware, w: int, gpu_st
     """(breakdown, peak bytes) per GPU."""
     buffers = _gpu_buffers(placement, work, w)
     runtime_gpu = GPU_RUNTIME_OVERHEAD_BYTES if hw.accelerator == "cuda" else 0
+    sums = _gradient_sums_bytes(placement, work, hw, w)
+    if sums and (work.offload_accumulate is True or hw.gpu_mem_bytes - runtime_gpu - sum(gpu_states.values())
+                 - sum(buffers.values()) - sums >= OFFLOAD_SUMS_HEADROOM * hw.gpu_mem_bytes):
+        buffers["offload_gradient_sums"] = sums  # auto's rule as the ranks apply it, before any activation
     breakdown = {
         "model_states": gpu_states,
         "buffers": buffers,
