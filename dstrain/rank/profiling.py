@@ -99,7 +99,9 @@ def summarize_trace(trace: dict, steps: int) -> list[str]:
     time in calls that wait for the device."""
     kernels, to_device, from_device, host_waits = [], [], [], 0.0
     moved = {"HtoD": 0, "DtoH": 0}
-    phases = {side: dict.fromkeys(PHASES, 0.0) for side in ("host", "device")}  # time in the loop's marks
+    # Host time in the loop's marks. Not the device's: the backward's kernels are launched by autograd's
+    # own thread, outside the mark, so a device-side span per mark would misattribute them.
+    phases = dict.fromkeys(PHASES, 0.0)
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X" or "dur" not in event:
             continue
@@ -113,16 +115,12 @@ def summarize_trace(trace: dict, steps: int) -> list[str]:
             moved[direction] += int(event.get("args", {}).get("bytes", 0))
         elif category in ("cuda_runtime", "cuda_driver") and name in _HOST_WAITS:
             host_waits += span[1] - span[0]
-        elif category in ("user_annotation", "gpu_user_annotation") and name[len("dstrain/"):] in PHASES \
-                and name.startswith("dstrain/"):
-            side = "host" if category == "user_annotation" else "device"
-            phases[side][name[len("dstrain/"):]] += span[1] - span[0]
-    def marked(side: str) -> str:
-        return (f"{side} time a step in the loop's forward / backward / step: "
-                + " / ".join(f"{phases[side][name] / 1000 / steps:,.1f}" for name in PHASES) + " ms")
-
+        elif category == "user_annotation" and name.startswith("dstrain/") and name[len("dstrain/"):] in phases:
+            phases[name[len("dstrain/"):]] += span[1] - span[0]
+    marked = ("host time a step in the loop's forward / backward / step: "
+              + " / ".join(f"{phases[name] / 1000 / steps:,.1f}" for name in PHASES) + " ms")
     if not (kernels or to_device or from_device):
-        return ["no device activity recorded (a CPU run): the operator table below is the host's", marked("host")]
+        return ["no device activity recorded (a CPU run): the operator table below is the host's", marked]
     compute, up, down = _union(kernels), _union(to_device), _union(from_device)
     everything = _union(kernels + to_device + from_device)
     window = everything[-1][1] - everything[0][0]
@@ -147,7 +145,7 @@ def summarize_trace(trace: dict, steps: int) -> list[str]:
             f"  copies to the host: {ms(down_total)}, {volume('DtoH', down_total)}, "
             f"{share(down_under, down_total)} of it under compute",
             f"  nothing running on the device: {ms(window - _length(everything))}",
-            f"host waiting on the device (synchronize calls): {ms(host_waits)}", marked("host"), marked("device")]
+            f"host waiting on the device (synchronize calls): {ms(host_waits)}", marked]
 
 
 def _set_profiling(on: bool) -> None:
