@@ -160,7 +160,7 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
         step_loss, fetch_s = _optimizer_step(engine, t, parts.train_sampler, data_step, state.step, layout,
                                              parts.device, parts.activations)
         if parts.profiler:
-            _say(metrics, parts.profiler.step_ended(), rank)
+            _say(metrics, parts.profiler.step_ended())
         # a pure function of the sample indices: no collective needed, rank 0 counts
         real_tokens = (parts.train_sampler.real_tokens(data_step * t.global_batch_size, t.global_batch_size)
                        if rank == 0 else 0)
@@ -210,16 +210,15 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
             break
     vote.result()  # leave no collective in flight
     if parts.profiler:  # a run that stopped inside the profiled steps
-        _say(metrics, parts.profiler.finish(), rank)
+        _say(metrics, parts.profiler.finish())
     metrics.finish(state, saved_checkpoint=t.save_checkpoints)
     return state
 
 
-def _say(metrics: MetricsLog, lines: list[str], rank: int) -> None:
-    """The profile's summary: rank 0 prints it (the others' is in their summary files)."""
-    if rank == 0:
-        for line in lines:
-            metrics.note(line)
+def _say(metrics: MetricsLog, lines: list[str]) -> None:
+    """The profile's summary: rank 0's MetricsLog prints it (the others' is in their summary files)."""
+    for line in lines:
+        metrics.note(line)
 
 
 def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, layout: Layout, device,

@@ -43,7 +43,6 @@ class StepProfiler:
     with_stack: bool = False
     _profiler: object = None
     _trained: int = 0
-    _done: bool = False
 
     @classmethod
     def build(cls, config, run_dir: Path, rank: int) -> "StepProfiler | None":
@@ -53,7 +52,7 @@ class StepProfiler:
         return cls(Path(run_dir) / "profile", rank, p.start_after, p.steps, p.record_shapes, p.with_stack)
 
     def step_begins(self) -> None:
-        if self._done or self._profiler is not None or self._trained != self.start_after:
+        if self._profiler is not None or self._trained != self.start_after:  # once: _trained only grows
             return
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -74,7 +73,7 @@ class StepProfiler:
         if self._profiler is None:
             return []
         _synchronize()
-        profiler, self._profiler, self._done = self._profiler, None, True
+        profiler, self._profiler = self._profiler, None
         profiler.stop()
         _set_profiling(False)
         steps = self._trained - self.start_after
