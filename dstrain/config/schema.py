@@ -417,11 +417,17 @@ class SpeedupsConfig(Section):
     offload_fetch_wait: bool = True
     """ZeRO-3 with the parameters offloaded, one GPU: a fetched parameter's copy waited for by the GPU's
     streams instead of the host (off: DeepSpeed's stream synchronize at every fetch)."""
+    offload_keep_weights: Literal["auto"] | bool = "auto"
+    """ZeRO-3 with the parameters offloaded and gradient accumulation: the weights fetched at a window's first
+    micro step kept on the GPU until its last instead of fetched from the host at every micro step (the
+    whole model's weights in their dtype on every GPU between micro steps). auto: on a CUDA GPU where they
+    leave a quarter of its memory free; true: wherever it applies (a CPU accelerator too); false (or off):
+    DeepSpeed's releases."""
     offload_gil_handoff: bool = True
     """ZeRO-3 CPU offload with offload_overlap: Python's switch interval shortened so that the worker and
     the training thread hand the GIL over quickly (off: Python's 5 ms)."""
 
-    @field_validator("offload_accumulate", mode="before")
+    @field_validator("offload_accumulate", "offload_keep_weights", mode="before")
     @classmethod
     def _auto_or_switch(cls, value):
         """auto, or a switch's on/off words (YAML reads `off` as false already; pydantic reads the words)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dstrain.speedups import (cpu_adam_nogil, cuda_stream, offload_accumulate_zero3, offload_accumulate_zero12,
-                              offload_chunked_step, offload_chunked_step_zero3, offload_fetch_wait,
+                              offload_chunked_step, offload_chunked_step_zero3, offload_fetch_wait, offload_keep_weights,
                               offload_grads_zero3, offload_overlap_zero3, offload_syncs, zero3_flatten, zero3_grads,
                               zero3_step, zero3_unhook)
 from dstrain.speedups.state import SpeedupState, ensure_state
@@ -161,6 +161,14 @@ REGISTRY: tuple[Speedup, ...] = (
             "offload_fetch_wait", offload_fetch_wait.applies,
             lambda engine, settings, state: offload_fetch_wait.install(engine, state),
             "fetched parameters waited for by the GPU, not the host", "CPU offload"),
+    Speedup("offload_keep_weights", ("deepspeed.runtime.zero.partitioned_param_coordinator."
+                                     "PartitionedParameterCoordinator.__release_param (inside an accumulation window)",
+                                     "deepspeed.runtime.zero.partitioned_param_coordinator."
+                                     "PartitionedParameterCoordinator.release_and_reset_all"),
+            "offload_keep_weights", offload_keep_weights.applies,
+            lambda engine, settings, state: offload_keep_weights.install(
+                engine, state, auto=settings.offload_keep_weights == "auto"),
+            offload_keep_weights.describe, "CPU offload"),
     Speedup("zero3_step", ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.step",),
             "zero3_step", zero3_step.applies, lambda engine, settings, state: zero3_step.install(engine, state),
             "the step's release, gradient norm and persistent gather batched", "ZeRO-3"),

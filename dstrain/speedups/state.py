@@ -54,6 +54,9 @@ class SpeedupState:
     on the GPU, read by the direct copy's partition_grads; None where DeepSpeed's host buffer sums them."""
     accumulate_bytes: int = 0
     """The GPU memory the accumulated gradients' buffers take (offload_accumulate_*)."""
+    kept_weight_bytes: int = 0
+    """ZeRO-3 with parameter offload: the GPU memory the weights kept between micro steps take at most
+    (offload_keep_weights)."""
     overlap: Any = None
     """ZeRO-3: the worker thread that runs the step beside the next forward (StepBesideForward)."""
 
