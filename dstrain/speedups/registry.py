@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dstrain.speedups import (cpu_adam_nogil, cuda_stream, offload_accumulate_zero3, offload_accumulate_zero12,
-                              offload_chunked_step, offload_chunked_step_zero3, offload_fetch_wait, offload_keep_weights,
-                              offload_grads_zero3, offload_overlap_zero3, offload_syncs, zero3_flatten, zero3_grads,
-                              zero3_step, zero3_unhook)
+                              offload_chunked_step, offload_chunked_step_zero3, offload_fetch_wait, offload_grads_zero3,
+                              offload_keep_weights, offload_overlap_zero3, offload_syncs, zero3_autograd_apply,
+                              zero3_flatten, zero3_grads, zero3_step, zero3_unhook)
 from dstrain.speedups.state import SpeedupState, ensure_state
 
 # The DeepSpeed releases on which every change's bit-identity tests passed (tests/test_zero3_step.py,
@@ -188,6 +188,12 @@ REGISTRY: tuple[Speedup, ...] = (
                             "independent_gradient_partition_epilogue"),
             "zero3_grads", zero3_grads.applies, lambda engine, settings, state: zero3_grads.install(engine, state),
             "the backward's gradient copies lean", "ZeRO-3", requires=("zero3_step",)),
+    Speedup("zero3_autograd_apply", ("torch.autograd.Function.apply, for deepspeed.runtime.zero.linear."
+                                     "LinearFunctionForZeroStage3 and the module hooks' PreBackwardFunctionForModule "
+                                     "and PostBackwardFunctionModule",),
+            "zero3_autograd_apply", zero3_autograd_apply.applies,
+            lambda engine, settings, state: zero3_autograd_apply.install(engine, state),
+            "DeepSpeed's autograd Functions applied without per-call signature binding", "ZeRO-3"),
     Speedup("zero3_flatten", ("deepspeed.runtime.zero.stage3.defragment",), "flatten_on_device",
             zero3_flatten.applies, lambda engine, settings, state: zero3_flatten.partitions_flattened_on_device(),
             "the partitions flattened on the device at engine start", "ZeRO-3", phase=ENGINE_BUILD),
