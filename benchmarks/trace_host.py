@@ -38,7 +38,8 @@ def host_tables(events: list[dict]) -> dict:
     tables: dict = {}
     for e in python:
         tid = e["tid"]
-        busy, own, total, calls = tables.setdefault(tid, [0.0, defaultdict(float), defaultdict(float), defaultdict(int)])
+        table = tables.setdefault(tid, [0.0, defaultdict(float), defaultdict(float), defaultdict(int)])
+        own, calls = table[1], table[3]
         ident = e["args"]["Python id"]
         own[e["name"]] += max(0.0, e["dur"] - child_time[ident])
         calls[e["name"]] += 1

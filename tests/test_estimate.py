@@ -415,8 +415,10 @@ def test_offload_with_accumulation_counts_the_gpu_gradient_sums_where_auto_makes
         without = estimate_one("s", placement, LLAMA_7B, node(gpus=2, gpu_gib=141))
         assert "offload_gradient_sums" not in without.gpu_breakdown["buffers"]  # accumulation 1
         added = roomy.gpu_bytes_per_gpu - without.gpu_bytes_per_gpu
+        kept = roomy.gpu_breakdown["buffers"].get("offload_kept_weights", 0)  # parameters offloaded (below)
+        assert (kept > 0) is (param == "cpu"), stage
         # ZeRO-2's peak is the fp32 model built on the GPU, before the sums exist
-        assert added == (2 * -(-LLAMA_7B.params // 2) if stage == 3 else 0), stage
+        assert added == (2 * -(-LLAMA_7B.params // 2) + kept if stage == 3 else 0), stage
         switched_off = replace(accumulating, offload_accumulate=False)
         assert "offload_gradient_sums" not in estimate_one("s", placement, switched_off, node(gpus=2, gpu_gib=141)
                                                            ).gpu_breakdown["buffers"]
@@ -433,6 +435,32 @@ def test_offload_with_accumulation_counts_the_gpu_gradient_sums_where_auto_makes
     assert "offload_gradient_sums" not in estimate_one("s", Placement(2, "cpu", precision="bf16"), accumulating,
                                                        node(gpus=2, gpu_gib=141, accelerator="cpu")
                                                        ).gpu_breakdown["buffers"]
+
+
+def test_zero3_parameter_offload_with_accumulation_counts_the_weights_kept_through_a_window():
+    """speedups.offload_keep_weights: ZeRO-3 with the parameters on the CPU and accumulation keeps the whole
+    model's bf16 weights gathered through a window (beyond the live window DeepSpeed keeps anyway), where
+    they leave a quarter of the GPU free after the gradient sums, on CUDA only."""
+    from dataclasses import replace
+
+    accumulating = replace(LLAMA_7B, grad_accum_steps=8)
+    placement = Placement(3, "cpu", "cpu", precision="bf16", stage3_max_live_parameters=300_000_000)
+    roomy = estimate_one("s", placement, accumulating, node(gpus=2, gpu_gib=141))
+    kept = 2 * (LLAMA_7B.params - 300_000_000)
+    assert roomy.gpu_breakdown["buffers"]["offload_kept_weights"] == kept
+    assert roomy.gpu_breakdown["buffers"]["stage3_live_params"] > 0  # the live window, counted once
+    for work, hw in ((LLAMA_7B, node(gpus=2, gpu_gib=141)),  # accumulation 1: nothing to keep
+                     (replace(accumulating, offload_keep_weights=False), node(gpus=2, gpu_gib=141)),
+                     (accumulating, node(gpus=2, gpu_gib=141, accelerator="cpu")),
+                     (accumulating, node(gpus=1, gpu_gib=24))):  # 12.8 GB would not leave a quarter free
+        assert "offload_kept_weights" not in estimate_one("s", placement, work, hw).gpu_breakdown["buffers"]
+    forced = replace(accumulating, offload_keep_weights=True)
+    assert estimate_one("s", placement, forced, node(gpus=1, gpu_gib=24)).gpu_breakdown["buffers"][
+        "offload_kept_weights"] == kept
+    # parameters on the GPU (stage3) or on NVMe: no such copies
+    for param in ("none", "nvme"):
+        other = estimate_one("s", Placement(3, "cpu", param, precision="bf16"), accumulating, node(gpus=2, gpu_gib=141))
+        assert "offload_kept_weights" not in other.gpu_breakdown["buffers"], param
 
 
 def test_cpu_offload_counts_the_offload_steps_gpu_staging_chunk():

@@ -171,10 +171,11 @@ def test_save_checkpoints_false_trains_and_evaluates_but_writes_no_checkpoint(tm
 @pytest.mark.parametrize("preset", ["stage2_offload", "stage3_offload"])
 def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(tmp_path, preset):
     """dstrain/speedups/offload_chunked_step.py (ZeRO-1/2, with bf16 gradients on the host), offload_chunked_step_zero3.py,
-    offload_grads_zero3.py, offload_accumulate_zero3.py and offload_overlap_zero3.py against DeepSpeed's own step and
-    gradient copies (DSTRAIN_OFFLOAD_CHUNKS=off, DSTRAIN_OFFLOAD_GRADS=off), two ranks each updating its partition in
-    4,096-element chunks, accumulating over two micro steps on the device (offload_accumulate_zero12 and _zero3;
-    ZeRO-3: beside the next forward, and saving a checkpoint after the last step): the same losses and gradient
+    offload_grads_zero3.py, offload_accumulate_zero3.py, offload_overlap_zero3.py and offload_keep_weights.py against
+    DeepSpeed's own step and gradient copies (DSTRAIN_OFFLOAD_CHUNKS=off, DSTRAIN_OFFLOAD_GRADS=off), two ranks each
+    updating its partition in 4,096-element chunks, accumulating over two micro steps on the device
+    (offload_accumulate_zero12 and _zero3; ZeRO-3: beside the next forward, the weights kept through each window,
+    and saving a checkpoint after the last step): the same losses and gradient
     norms, bit for bit."""
     sets = ("train.max_steps=5", "train.log_every=1", "train.save_every=5", "train.lr=3e-3")
     sets += ("train.precision=bf16",)  # bf16 weights: the gradients go to the host in bf16
@@ -184,7 +185,8 @@ def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(t
     said = {}
     for name, chunks, grads in (("chunked", "4096", "on"), ("deepspeed", "off", "off")):
         run_dir = tmp_path / name
-        env = {"DSTRAIN_OFFLOAD_CHUNKS": chunks, "DSTRAIN_OFFLOAD_GRADS": grads, "DSTRAIN_OFFLOAD_ACCUMULATE": grads}
+        env = {"DSTRAIN_OFFLOAD_CHUNKS": chunks, "DSTRAIN_OFFLOAD_GRADS": grads, "DSTRAIN_OFFLOAD_ACCUMULATE": grads,
+               "DSTRAIN_OFFLOAD_KEEP_WEIGHTS": grads}
         result = run_tiny(run_dir, preset, *sets, env=env)
         assert_ok(result)
         said[name] = [line for line in result.stdout.splitlines() if "CPU offload, dstrain's changes" in line]
@@ -199,6 +201,8 @@ def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(t
     assert ("the step beside the next forward" in said["chunked"][0]) is (preset == "stage3_offload")
     assert ("bf16 weights rounded in the Adam pass" in said["chunked"][0]) is (preset == "stage3_offload")
     assert "gradients accumulated on the GPU" in said["chunked"][0]
+    # ZeRO-3: the weights stay gathered through each window (forced on: auto keeps them to CUDA)
+    assert ("weights kept on the GPU between micro steps" in said["chunked"][0]) is (preset == "stage3_offload")
     if preset == "stage2_offload":  # the per-parameter waits have no switch
         assert said["deepspeed"] and "chunks" not in said["deepspeed"][0]
     else:

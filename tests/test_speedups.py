@@ -57,3 +57,7 @@ def test_the_report_names_what_did_not_apply_only_where_its_family_fits_the_run_
     assert "not applied: zero3_hooks (no module keeps its parameters gathered)" in lines
     assert "not applied: cuda_stream (speedups.cuda_stream=false)" in lines
     assert not any("offload_syncs" in line for line in lines)
+    # a run without gradient accumulation hears nothing of the changes made for accumulating runs
+    unneeded = {"offload_accumulate_zero3": "no gradient accumulation", "offload_keep_weights": "no gradient accumulation"}
+    offload = Report(applied=["offload_chunks_zero3"], not_applied=unneeded)
+    assert offload.lines() == ["CPU offload, dstrain's changes: optimizer step in chunks"]

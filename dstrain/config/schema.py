@@ -381,9 +381,6 @@ class SpeedupsConfig(Section):
     (off: DeepSpeed's coalesced gather, a parameter at a time). Needs zero3_step."""
     zero3_hooks: bool = True
     """ZeRO-3: no module hooks on modules whose parameters all stay gathered. Needs zero3_step."""
-    zero3_autograd_apply: bool = True
-    """ZeRO-3: DeepSpeed's autograd Functions (its linear, the modules' backward hooks) applied without
-    torch's per-call signature binding (off: torch's Function.apply)."""
     zero3_grads: bool = True
     """ZeRO-3: the backward's per-gradient bucket and partition copies made lean. Needs zero3_step."""
     flatten_on_device: bool = True

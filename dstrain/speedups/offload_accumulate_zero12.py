@@ -36,7 +36,7 @@ def applies(engine) -> str | None:
     if missing:
         return f"this DeepSpeed's ZeRO-1/2 optimizer lacks {', '.join(missing)}"
     if optimizer.gradient_accumulation_steps <= 1:
-        return "no gradient accumulation"
+        return "no gradient accumulation"  # registry.NO_ACCUMULATION: rank 0 says nothing of it
     # ZeRO-1 reduces and offloads its gradients once, at the boundary: no host round trips to save.
     if not optimizer.partition_gradients:
         return "ZeRO-1 (its gradients reach the host once a step already)"

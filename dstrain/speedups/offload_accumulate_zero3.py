@@ -39,7 +39,7 @@ def applies(engine) -> str | None:
     if not engine.managed_gradient_accumulation():
         return "unmanaged gradient accumulation (DeepSpeed's finalize at step() reads the host buffer)"
     if optimizer.gradient_accumulation_steps <= 1:
-        return "no gradient accumulation"
+        return "no gradient accumulation"  # registry.NO_ACCUMULATION: rank 0 says nothing of it
     if optimizer.grad_partitions_flat_buffer is None:
         return "no host gradient buffer"
     return None

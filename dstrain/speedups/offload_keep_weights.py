@@ -30,17 +30,20 @@ def _coordinator(engine):
 
 def applies(engine) -> str | None:
     """Why keeping the weights does not cover `engine` (None: it does): it needs ZeRO-3's own optimizer with
-    the parameters offloaded, gradient accumulation, and DeepSpeed's release path (not the leaf-module
+    the parameters offloaded to the CPU, gradient accumulation, and DeepSpeed's release path (not the leaf-module
     fast sharding of zero_module_granularity_threshold, which swaps a released weight's data itself)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     if type(getattr(engine, "optimizer", None)) is not DeepSpeedZeroOptimizer_Stage3:
         return "not ZeRO-3's own optimizer"
     offload = getattr(engine, "zero_offload_param", lambda: None)()
-    if offload is None or str(getattr(offload, "device", "none")).lower().endswith("none"):
+    device = str(getattr(offload, "device", "none")).lower()
+    if offload is None or device.endswith("none"):
         return "parameters not offloaded"
+    if not device.endswith("cpu"):  # NVMe: its swap-in prefetcher follows DeepSpeed's release order
+        return "parameters offloaded to NVMe"
     if engine.gradient_accumulation_steps() <= 1:
-        return "no gradient accumulation"
+        return "no gradient accumulation"  # registry.NO_ACCUMULATION: rank 0 says nothing of it
     coordinator = _coordinator(engine)
     needed = (f"{_COORDINATOR}__release_param", "release_and_reset_all", f"{_COORDINATOR}__n_available_params")
     if coordinator is None or not all(hasattr(coordinator, name) for name in needed):

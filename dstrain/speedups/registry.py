@@ -12,8 +12,8 @@ from typing import Any
 
 from dstrain.speedups import (cpu_adam_nogil, cuda_stream, offload_accumulate_zero3, offload_accumulate_zero12,
                               offload_chunked_step, offload_chunked_step_zero3, offload_fetch_wait, offload_grads_zero3,
-                              offload_keep_weights, offload_overlap_zero3, offload_syncs, zero3_autograd_apply,
-                              zero3_flatten, zero3_grads, zero3_step, zero3_unhook)
+                              offload_keep_weights, offload_overlap_zero3, offload_syncs, zero3_flatten, zero3_grads,
+                              zero3_step, zero3_unhook)
 from dstrain.speedups.state import SpeedupState, ensure_state
 
 # The DeepSpeed releases on which every change's bit-identity tests passed (tests/test_zero3_step.py,
@@ -21,6 +21,7 @@ from dstrain.speedups.state import SpeedupState, ensure_state
 # of test_run.py). A release is added here only after those tests pass on it.
 VERIFIED = ("0.19.8",)
 
+NO_ACCUMULATION = "no gradient accumulation"  # the reason of the changes that only accumulating runs need
 ENGINE_BUILD = "engine build"  # applied around deepspeed.initialize (building_engine)
 ENGINE = "engine"  # applied to the built engine (apply)
 _built: set[str] = set()  # the ENGINE_BUILD changes building_engine made in this process
@@ -188,12 +189,6 @@ REGISTRY: tuple[Speedup, ...] = (
                             "independent_gradient_partition_epilogue"),
             "zero3_grads", zero3_grads.applies, lambda engine, settings, state: zero3_grads.install(engine, state),
             "the backward's gradient copies lean", "ZeRO-3", requires=("zero3_step",)),
-    Speedup("zero3_autograd_apply", ("torch.autograd.Function.apply, for deepspeed.runtime.zero.linear."
-                                     "LinearFunctionForZeroStage3 and the module hooks' PreBackwardFunctionForModule "
-                                     "and PostBackwardFunctionModule",),
-            "zero3_autograd_apply", zero3_autograd_apply.applies,
-            lambda engine, settings, state: zero3_autograd_apply.install(engine, state),
-            "DeepSpeed's autograd Functions applied without per-call signature binding", "ZeRO-3"),
     Speedup("zero3_flatten", ("deepspeed.runtime.zero.stage3.defragment",), "flatten_on_device",
             zero3_flatten.applies, lambda engine, settings, state: zero3_flatten.partitions_flattened_on_device(),
             "the partitions flattened on the device at engine start", "ZeRO-3", phase=ENGINE_BUILD),
@@ -231,6 +226,8 @@ class Report:
         by_reason: dict[str, list[str]] = {}
         for name, reason in self.not_applied.items():
             if BY_NAME[name].family not in fitting and not reason.startswith("speedups."):
+                continue
+            if reason == NO_ACCUMULATION:  # a change for accumulating runs: nothing to say to one that does not
                 continue
             # a change whose prerequisite did not apply goes on the line of the first one missing
             while reason.startswith("needs ") and reason.removeprefix("needs ").split(",")[0] in self.not_applied:

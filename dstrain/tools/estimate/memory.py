@@ -72,6 +72,9 @@ Working buffers on the GPU:
 - ZeRO-2/3 with offload_optimizer=cpu and gradient accumulation: dstrain sums the gradients on the GPU
   between micro steps (speedups.offload_accumulate), a rank's share in the model's dtype (w * n), where
   that leaves a quarter of the GPU free before activations (auto's rule on the ranks), on CUDA only.
+- ZeRO-3 with the parameters on the CPU and gradient accumulation: dstrain keeps the gathered weights on
+  the GPU through the window (speedups.offload_keep_weights), the whole model in the model's dtype
+  (w * P, less the live window above), by the same rule after the sums.
 - gradient reduction buckets with contiguous_gradients: `reduce_bucket_size` elements of w bytes,
   two of them for stage 1/2 with overlap_comm (stage_1_and_2.py `setup_buckets`), one for stage 3.
 - a fixed runtime overhead: CUDA context, cuBLAS workspaces, NCCL communicators and allocator
@@ -211,6 +214,8 @@ class Workload:
     """train.grad_accum_steps: with the optimizer offloaded, dstrain may sum the gradients on the GPU."""
     offload_accumulate: str | bool = "auto"
     """speedups.offload_accumulate: whether those sums may live on the GPU (auto: where they leave room)."""
+    offload_keep_weights: str | bool = "auto"
+    """speedups.offload_keep_weights: whether ZeRO-3 keeps the offloaded weights gathered through a window."""
 
 
 @dataclass
@@ -454,6 +459,7 @@ def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpoi
                     precision=cfg.train.precision, sequence_parallel=cfg.train.sequence_parallel,
                     tiled_mlp=cfg.train.tiled_mlp is True, tiled_mlp_shards=cfg.train.tiled_mlp_shards,
                     grad_accum_steps=cfg.train.grad_accum_steps, offload_accumulate=cfg.speedups.offload_accumulate,
+                    offload_keep_weights=cfg.speedups.offload_keep_weights,
                     **fields)
 
 
@@ -642,6 +648,16 @@ def _gradient_sums_bytes(placement: Placement, work: Workload, hw: Hardware, w: 
     return w * -(-work.params // hw.total_gpus)
 
 
+def _kept_weights_bytes(placement: Placement, work: Workload, hw: Hardware, w: int) -> int:
+    """dstrain's weights kept gathered through an accumulation window (speedups.offload_keep_weights): ZeRO-3 with
+    the parameters on the CPU, the whole model in the model's dtype on every GPU, beyond the live window
+    counted already; CUDA only; 0 where they cannot be."""
+    if (work.offload_keep_weights is False or work.grad_accum_steps <= 1 or placement.stage != 3
+            or placement.offload_param != "cpu" or hw.accelerator != "cuda"):
+        return 0
+    return w * (work.params - min(work.params, placement.stage3_max_live_parameters))
+
+
 def _builds_on_gpu(placement: Placement, hw: Hardware) -> bool:
     # dstrain builds stage 0-2 models on the GPU in fp32 (dstrain.models.build_model) before DeepSpeed
     # casts them: a peak of its own where the steady state keeps less (optimizer offload, many ranks).
@@ -657,6 +673,10 @@ def _gpu_side(placement: Placement, work: Workload, hw: Hardware, w: int, gpu_st
     if sums and (work.offload_accumulate is True or hw.gpu_mem_bytes - runtime_gpu - sum(gpu_states.values())
                  - sum(buffers.values()) - sums >= OFFLOAD_SUMS_HEADROOM * hw.gpu_mem_bytes):
         buffers["offload_gradient_sums"] = sums  # auto's rule as the ranks apply it, before any activation
+    kept = _kept_weights_bytes(placement, work, hw, w)
+    if kept and (work.offload_keep_weights is True or hw.gpu_mem_bytes - runtime_gpu - sum(gpu_states.values())
+                 - sum(buffers.values()) - kept >= OFFLOAD_SUMS_HEADROOM * hw.gpu_mem_bytes):
+        buffers["offload_kept_weights"] = kept  # the same rule, after the sums (the ranks install them first)
     breakdown = {
         "model_states": gpu_states,
         "buffers": buffers,
