@@ -5,8 +5,9 @@ DeepSpeed releases each module's gathered weights after the module has run (in t
 `stage3_max_reuse_distance`, and in the backward), so every micro step fetches the whole model from host
 memory again, though nothing changes the weights between an accumulation window's micro steps: only the
 optimizer step at its end does. Profiled at 1.65B with accumulation 8 on an H200, those fetches are
-36.6 GB a step over PCIe, and the fetch work in the hooks keeps the GPU idle for half of the step
-(benchmarks/results/2026-11-27-h200-offload-prefetch/).
+36.6 GB a step over PCIe, with the GPU idle for 1,100 ms of a 2,000 ms step while the hooks fetch
+(benchmarks/results/2026-11-27-h200-offload-profile/, call 3); wider prefetch settings did not help
+(2026-11-27-h200-offload-prefetch/). Kept, the step moves 3.3 GB and runs 12-13% faster (-keep/, -host/).
 
 Here the coordinator's release is skipped while the engine trains and the micro step is not the window's
 last: the weights stay gathered, so the later micro steps fetch nothing. At the last micro step
