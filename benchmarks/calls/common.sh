@@ -49,6 +49,14 @@ start_ops() {
 }
 wait_ops() { wait "$OPS_PID"; grep -h "ready\|FAILED" "$OUT/ops.log"; }
 
+# The ops built while torch's one-GPU row (eager, no DeepSpeed) runs beside them: the peer of a call's
+# one-GPU rows, measured in the same call. torch_row SHAPE -> $OUT/torch.log, $OUT/torch/.
+torch_row() {
+  start_ops
+  suite 1 "$1" torch --steps 40 --runners torch --presets stage2 > "$OUT/torch.log" 2>&1
+  wait_ops
+}
+
 # One suite.py invocation: suite GPUS SHAPE OUTNAME ARGS...
 suite() {
   local gpus=$1 shape=$2 name=$3; shift 3

@@ -10,9 +10,7 @@
 SHAPE=${SHAPE:-1.65b}
 STEPS=${STEPS:-16}
 A8="train.grad_accum_steps=8"
-start_ops
-suite 1 "$SHAPE" torch --steps 40 --runners torch --presets stage2 > "$OUT/torch.log" 2>&1
-wait_ops
+torch_row "$SHAPE"
 if [ "${GPU_TESTS:-0}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_offload_keep_weights.py > "$OUT/gputests.log" 2>&1
   tail -3 "$OUT/gputests.log"

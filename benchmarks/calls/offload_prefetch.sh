@@ -10,9 +10,7 @@ SHAPE=${SHAPE:-1.65b}
 STEPS=${STEPS:-16}
 A8="train.grad_accum_steps=8"
 Z="deepspeed.zero_optimization"
-start_ops
-suite 1 "$SHAPE" torch --steps 40 --runners torch --presets stage2 > "$OUT/torch.log" 2>&1
-wait_ops
+torch_row "$SHAPE"
 suite 1 "$SHAPE" prefetch --steps "$STEPS" --row-timeout 110 --no-offload-bound --runners dstrain \
   --presets stage3_offload --no-base \
   --variant "a8@dstrain=$A8" \
