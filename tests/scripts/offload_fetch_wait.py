@@ -10,13 +10,12 @@ import torch
 from dstrain.config.schema import SpeedupsConfig
 from dstrain.speedups import apply
 from scripts.rank_setup import parameters, result, start_rank
+from scripts.tiny_mlp import mlp_stack
 
 
 def train(device: str, variant: str, steps: int, accum: int) -> dict:
-    torch.manual_seed(0)
     width = 1024  # wide enough that a copy takes longer than launching the next module's kernels
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                                                      torch.nn.Linear(4 * width, width)) for _ in range(6)])
+    model = mlp_stack(width, 6)
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 5_000_000,
             "overlap_comm": True, "offload_param": {"device": "cpu", "pin_memory": True},
             "offload_optimizer": {"device": "cpu", "pin_memory": True}}

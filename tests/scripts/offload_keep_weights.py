@@ -12,6 +12,7 @@ import torch
 from dstrain.config.schema import SpeedupsConfig
 from dstrain.speedups import apply, state_of
 from scripts.rank_setup import parameters, result, start_rank
+from scripts.tiny_mlp import mlp_stack
 
 
 def gathered(engine) -> int:
@@ -21,9 +22,7 @@ def gathered(engine) -> int:
 
 
 def train(device: str, variant: str, windows: int, accum: int, width: int) -> dict:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                                                      torch.nn.Linear(4 * width, width)) for _ in range(4)])
+    model = mlp_stack(width, 4)
     pin = device == "cuda"
     # A reuse distance of 0 and a prefetch budget of about one layer: DeepSpeed releases every weight in
     # the forward and fetches it again in the backward, the case keeping saves most on.

@@ -669,14 +669,18 @@ def _gpu_side(placement: Placement, work: Workload, hw: Hardware, w: int, gpu_st
     """(breakdown, peak bytes) per GPU."""
     buffers = _gpu_buffers(placement, work, w)
     runtime_gpu = GPU_RUNTIME_OVERHEAD_BYTES if hw.accelerator == "cuda" else 0
+
+    def made(switch, size: int) -> bool:
+        """auto's rule as the ranks apply it, before any activation: the buffer leaves a quarter free."""
+        free = hw.gpu_mem_bytes - runtime_gpu - sum(gpu_states.values()) - sum(buffers.values())
+        return size > 0 and (switch is True or free - size >= OFFLOAD_SUMS_HEADROOM * hw.gpu_mem_bytes)
+
     sums = _gradient_sums_bytes(placement, work, hw, w)
-    if sums and (work.offload_accumulate is True or hw.gpu_mem_bytes - runtime_gpu - sum(gpu_states.values())
-                 - sum(buffers.values()) - sums >= OFFLOAD_SUMS_HEADROOM * hw.gpu_mem_bytes):
-        buffers["offload_gradient_sums"] = sums  # auto's rule as the ranks apply it, before any activation
+    if made(work.offload_accumulate, sums):
+        buffers["offload_gradient_sums"] = sums
     kept = _kept_weights_bytes(placement, work, hw, w)
-    if kept and (work.offload_keep_weights is True or hw.gpu_mem_bytes - runtime_gpu - sum(gpu_states.values())
-                 - sum(buffers.values()) - kept >= OFFLOAD_SUMS_HEADROOM * hw.gpu_mem_bytes):
-        buffers["offload_kept_weights"] = kept  # the same rule, after the sums (the ranks install them first)
+    if made(work.offload_keep_weights, kept):  # after the sums, as the ranks install them
+        buffers["offload_kept_weights"] = kept
     breakdown = {
         "model_states": gpu_states,
         "buffers": buffers,
