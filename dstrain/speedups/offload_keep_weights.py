@@ -22,6 +22,7 @@ from __future__ import annotations
 from dstrain.speedups.offload_accumulate_zero12 import auto_refusal
 
 _COORDINATOR = "_PartitionedParameterCoordinator"
+_UNCOUNTED = "dstrain_kept_uncounted"  # on a kept weight taken out of the coordinator's count of gathered ones
 
 
 def _coordinator(engine):
@@ -80,16 +81,23 @@ def install(engine, state, auto: bool = False) -> str | None:
     def keeping() -> bool:
         return not forced[0] and engine.module.training and not engine.is_gradient_accumulation_boundary()
 
+    counter = f"{_COORDINATOR}__n_available_params"
+
     def release_param(param, free_data: bool = True) -> None:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+        releasable = param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
         if not keeping():
+            if releasable and getattr(param, _UNCOUNTED, False):
+                # counted back in, as DeepSpeed's release takes it out
+                setattr(coordinator, counter, getattr(coordinator, counter) + param.ds_numel)
+            setattr(param, _UNCOUNTED, False)
             release(param, free_data)
-        elif param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
-            # Kept, but no longer counted against stage3_max_live_parameters: the prefetcher's budget is
-            # what it would be had the weight been released (the whole model is counted by auto's rule).
-            setattr(coordinator, f"{_COORDINATOR}__n_available_params",
-                    getattr(coordinator, f"{_COORDINATOR}__n_available_params") - param.ds_numel)
+        elif releasable and not getattr(param, _UNCOUNTED, False):
+            # Kept, but no longer counted against stage3_max_live_parameters, once: the prefetcher's budget
+            # is what it would be had the weight been released (the whole model is counted by auto's rule).
+            setattr(coordinator, counter, getattr(coordinator, counter) - param.ds_numel)
+            setattr(param, _UNCOUNTED, True)
 
     def release_and_reset_all(module) -> None:
         # Everything goes (the step, empty_partition_cache): DeepSpeed checks that it did.
