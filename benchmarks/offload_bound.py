@@ -6,19 +6,24 @@ presets' step) updating an fp32 partition from bf16 gradients in 8M-element chun
 26 bytes an element it reads and writes (weight, both moments read and written, the gradient read);
 and the pinned host<->GPU copy rate in each direction (one 256 MiB copy, best of several).
 
-The model of the bound (`bound`), per optimizer step of P trained parameters and A micro steps:
+The model of the bound (`bound`), per optimizer step of P trained parameters and A micro steps, with
+dstrain's defaults (gradient sums kept on the GPU through a window, ZeRO-3's weights kept through it, the
+ZeRO-3 step beside the next forward):
   Adam    P x 26 bytes / Adam bandwidth (stage3_offload rounds the new weights to bf16 in the same pass: 28)
-  down    gradients to the host: 2 bytes a parameter in bf16 at A = 1; 4 a parameter every micro step
-          when accumulating (DeepSpeed's own fp32 copies then)
+  down    gradients to the host: 2 bytes a parameter in bf16 at A = 1; the fp32 sums once, 4 a parameter,
+          when accumulating
   up      stage2_offload: each updated fp32 chunk to the GPU, rounded there (4 bytes a parameter);
-          stage3_offload: the bf16 weights live on the host and are fetched in every forward and backward
-          (2 x 2 bytes a parameter a micro step)
+          stage3_offload: the bf16 weights live on the host, fetched in the forward and again in the
+          backward at A = 1 (2 x 2 bytes a parameter), once a window when accumulating (2 bytes)
   PCIe    max(down / device-to-host rate, up / host-to-device rate): the two directions run at once
   GPU     A x the step time of plain PyTorch in the same call (its compute; 0 where no torch row ran)
 stage2_offload's step starts after the last gradient and the next forward waits for its weights:
   bound = max(GPU, down) + max(Adam, up)
-stage3_offload's step runs beside the next forward (speedups.offload_overlap), so everything can overlap:
-  bound = max(GPU, Adam, PCIe)
+stage3_offload's step runs beside the next forward (speedups.offload_overlap), but it starts only after
+the last backward (the clipping norm needs every gradient) and each layer of the next forward waits for
+its weights' update, so the most it can hide is that first forward, a third of torch's step (the
+backward does twice the forward's arithmetic):
+  bound = max(GPU + max(0, Adam - torch step / 3), PCIe)
 A row's fraction of the bound = bound / the row's measured step time (1.0: at the limit). It is a lower
 bound on the time, not a prediction: it leaves out the host's Python, the norm, the GPU waiting for the
 first chunk, and contention between the Adam pass and the copies for host memory.
@@ -104,12 +109,16 @@ def bound(preset: str, params: int, accumulation: int, rates: dict, torch_step_s
     a = accumulation
     zero3 = preset.startswith("stage3")
     adam = params * (ADAM_BYTES_ROUNDED if zero3 else ADAM_BYTES) / (rates["adam_gb_s"] * 1e9)
-    down_bytes = params * (2 if a == 1 else 4 * a)
-    up_bytes = params * (4 * a if zero3 else 4)
+    down_bytes = params * (2 if a == 1 else 4)
+    up_bytes = params * ((4 if a == 1 else 2) if zero3 else 4)
     down = down_bytes / (rates["d2h_gb_s"] * 1e9) if rates.get("d2h_gb_s") else 0.0
     up = up_bytes / (rates["h2d_gb_s"] * 1e9) if rates.get("h2d_gb_s") else 0.0
     gpu = a * torch_step_s if torch_step_s else 0.0
-    total = max(gpu, adam, max(down, up)) if zero3 else max(gpu, down) + max(adam, up)
+    if zero3:
+        hidden = (torch_step_s or 0.0) / 3  # the next window's first forward, beside the step
+        total = max(gpu + max(0.0, adam - hidden), down, up)
+    else:
+        total = max(gpu, down) + max(adam, up)
     return {"bound_s": total, "adam_s": adam, "down_s": down, "up_s": up, "gpu_s": gpu}
 
 

@@ -423,9 +423,6 @@ class SpeedupsConfig(Section):
     whole model's weights in their dtype on every GPU between micro steps). auto: on a CUDA GPU where they
     leave a quarter of its memory free; true: wherever it applies (a CPU accelerator too); false (or off):
     DeepSpeed's releases."""
-    offload_window_hooks: bool = True
-    """ZeRO-3 with the weights kept through a window (offload_keep_weights): DeepSpeed's module hooks skipped
-    after the window's first micro step, where every weight is gathered (off: they run at every micro step)."""
     offload_gil_handoff: bool = True
     """ZeRO-3 CPU offload with offload_overlap: Python's switch interval shortened so that the worker and
     the training thread hand the GIL over quickly (off: Python's 5 ms)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from dstrain.speedups import (cpu_adam_nogil, cuda_stream, offload_accumulate_zero3, offload_accumulate_zero12,
                               offload_chunked_step, offload_chunked_step_zero3, offload_fetch_wait, offload_grads_zero3,
-                              offload_keep_weights, offload_overlap_zero3, offload_syncs, offload_window_hooks, zero3_flatten, zero3_grads,
+                              offload_keep_weights, offload_overlap_zero3, offload_syncs, zero3_flatten, zero3_grads,
                               zero3_step, zero3_unhook)
 from dstrain.speedups.state import SpeedupState, ensure_state
 
@@ -170,11 +170,6 @@ REGISTRY: tuple[Speedup, ...] = (
             lambda engine, settings, state: offload_keep_weights.install(
                 engine, state, auto=settings.offload_keep_weights == "auto"),
             offload_keep_weights.describe, "CPU offload"),
-    Speedup("offload_window_hooks", ("deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload's module hooks "
-                                     "(after an accumulation window's first micro step)",),
-            "offload_window_hooks", offload_window_hooks.applies,
-            lambda engine, settings, state: offload_window_hooks.install(engine, state),
-            "no module hooks after a window's first micro step", "CPU offload", requires=("offload_keep_weights",)),
     Speedup("zero3_step", ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.step",),
             "zero3_step", zero3_step.applies, lambda engine, settings, state: zero3_step.install(engine, state),
             "the step's release, gradient norm and persistent gather batched", "ZeRO-3"),

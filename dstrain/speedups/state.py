@@ -57,11 +57,6 @@ class SpeedupState:
     kept_weight_bytes: int = 0
     """ZeRO-3 with parameter offload: the GPU memory the weights kept between micro steps take at most
     (offload_keep_weights)."""
-    window_hooks: int = 0
-    """ZeRO-3 with the weights kept (offload_window_hooks): how many of DeepSpeed's module hooks are skipped
-    after a window's first micro step."""
-    skipped_forwards: int = 0
-    """How many training forwards ran without DeepSpeed's module hooks (offload_window_hooks)."""
     overlap: Any = None
     """ZeRO-3: the worker thread that runs the step beside the next forward (StepBesideForward)."""
 
