@@ -16,14 +16,15 @@ ZeRO-3 step beside the next forward):
           stage3_offload: the bf16 weights live on the host, fetched in the forward and again in the
           backward at A = 1 (2 x 2 bytes a parameter), once a window when accumulating (2 bytes)
   PCIe    max(down / device-to-host rate, up / host-to-device rate): the two directions run at once
-  GPU     A x the step time of plain PyTorch in the same call (its compute; 0 where no torch row ran)
+  GPU     the step time of plain PyTorch at the same accumulation in the same call, else A x its step
+          a batch (which counts torch's optimizer step A times); 0 where no torch row ran
 stage2_offload's step starts after the last gradient and the next forward waits for its weights:
   bound = max(GPU, down) + max(Adam, up)
 stage3_offload's step runs beside the next forward (speedups.offload_overlap), but it starts only after
 the last backward (the clipping norm needs every gradient) and each layer of the next forward waits for
-its weights' update, so the most it can hide is that first forward, a third of torch's step (the
-backward does twice the forward's arithmetic):
-  bound = max(GPU + max(0, Adam - torch step / 3), PCIe)
+its weights' update, so the most it can hide is that first forward, a third of torch's micro step
+(the backward does twice the forward's arithmetic):
+  bound = max(GPU + max(0, Adam - GPU / A / 3), PCIe)
 A row's fraction of the bound = bound / the row's measured step time (1.0: at the limit). It is a lower
 bound on the time, not a prediction: it leaves out the host's Python, the norm, the GPU waiting for the
 first chunk, and contention between the Adam pass and the copies for host memory.
@@ -104,8 +105,10 @@ def measure(elements: int, threads: int = 0) -> dict:
             "h2d_gb_s": up, "d2h_gb_s": down}
 
 
-def bound(preset: str, params: int, accumulation: int, rates: dict, torch_step_s: float | None) -> dict:
-    """The step-time bound of an offload row in seconds, with its parts (see the module docstring)."""
+def bound(preset: str, params: int, accumulation: int, rates: dict, torch_step_s: float | None,
+          torch_accumulation: int = 1) -> dict:
+    """The step-time bound of an offload row in seconds, with its parts (see the module docstring);
+    torch_step_s: torch's step over torch_accumulation micro steps (1 or the row's accumulation)."""
     a = accumulation
     zero3 = preset.startswith("stage3")
     adam = params * (ADAM_BYTES_ROUNDED if zero3 else ADAM_BYTES) / (rates["adam_gb_s"] * 1e9)
@@ -113,9 +116,9 @@ def bound(preset: str, params: int, accumulation: int, rates: dict, torch_step_s
     up_bytes = params * ((4 if a == 1 else 2) if zero3 else 4)
     down = down_bytes / (rates["d2h_gb_s"] * 1e9) if rates.get("d2h_gb_s") else 0.0
     up = up_bytes / (rates["h2d_gb_s"] * 1e9) if rates.get("h2d_gb_s") else 0.0
-    gpu = a * torch_step_s if torch_step_s else 0.0
+    gpu = a * torch_step_s / torch_accumulation if torch_step_s else 0.0
     if zero3:
-        hidden = (torch_step_s or 0.0) / 3  # the next window's first forward, beside the step
+        hidden = gpu / a / 3  # the next window's first forward, beside the step
         total = max(gpu + max(0.0, adam - hidden), down, up)
     else:
         total = max(gpu, down) + max(adam, up)

@@ -164,7 +164,9 @@ def _lr_ratio(update: int, sched: dict) -> float:
 def _torch_step(config, device, world: int, local_rank: int, compile_model: bool, compile_blocks: bool = False):
     """Plain PyTorch: fp32 weights, autocast bf16, fused AdamW, clipping, DDP when world > 1. An hf: model
     is loaded from its folder as dstrain loads it (fp32 unless model.kwargs.dtype says otherwise);
-    compile_blocks: each decoder layer compiled on its own (dstrain's regional compile)."""
+    compile_blocks: each decoder layer compiled on its own (dstrain's regional compile). With
+    train.grad_accum_steps A > 1 a step is A forwards and backwards (DDP's no_sync before the last, as a
+    torch user accumulates) and one optimizer step; the micro batch is the same each time (a speed row)."""
     import torch
     from dstrain.models import hf, model_builder
     if hf.is_hf(config.model.name):
@@ -192,13 +194,17 @@ def _torch_step(config, device, world: int, local_rank: int, compile_model: bool
         raise SystemExit("the torch runner mirrors WarmupCosineLR only (train.schedule=cosine)")
     bf16 = t.precision == "bf16"
     updates = [0]
+    accumulation = t.grad_accum_steps
 
     def step(batch):
         for group in opt.param_groups:
             group["lr"] = t.lr * _lr_ratio(updates[0], sched)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = model(batch)
-        loss.backward()
+        for micro in range(accumulation):
+            syncing = world == 1 or micro == accumulation - 1
+            with contextlib.nullcontext() if syncing else model.no_sync():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss = model(batch)
+                (loss / accumulation if accumulation > 1 else loss).backward()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         opt.step()
@@ -736,6 +742,12 @@ def log_cost_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _only_accumulation(sets: list[str]) -> bool:
+    """Whether a row's own settings change nothing but the gradient accumulation (a torch row the offload
+    bound can take the GPU's time from)."""
+    return all(item.startswith("train.grad_accum_steps=") for item in sets)
+
+
 def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tuple, model: dict) -> dict:
     from dstrain.config.resolve import resolve
     from dstrain.hardware import dense_bf16_peak_tflops
@@ -763,7 +775,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     except Exception as err:  # noqa: BLE001 - a bad variant is reported in its row
         row["status"] = f"config error: {err}"
         return row
-    accumulation = resolved.config.train.grad_accum_steps  # dstrain and hand-loop rows; torch steps once
+    accumulation = resolved.config.train.grad_accum_steps
     row["grad_accum"] = accumulation
     run_dir = work / tag
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -817,7 +829,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
             for key in ("profile", "phases_ms", "pyprofile"):
                 if key in result:
                     row[key] = result[key]
-        tokens_per_step = args.micro_batch * max(gpus, 1) * args.seq_len * (accumulation if runner != "torch" else 1)
+        tokens_per_step = args.micro_batch * max(gpus, 1) * args.seq_len * accumulation
         summary = _summarise(intervals, warmup, tokens_per_step)
     except (OSError, KeyError, IndexError, ValueError, statistics.StatisticsError) as err:
         tail = log_path.read_text(errors="replace").splitlines()[-25:] if log_path.exists() else []
@@ -1062,11 +1074,13 @@ def main(argv: list[str]) -> int:
     if args.offload_bound and any(r in runners for r in RUNNERS[1:]) and any(x in OFFLOAD for x in presets):
         rates = _offload_rates(args, min(args.bound_elements, model["params"]))
         doc["offload_rates"] = rates
-    torch_step_s: dict[int, float] = {}  # GPUs -> the torch row's step time: the GPU's part of the bound
+    # (GPUs, accumulation) -> the step time of a torch row that changes nothing else: the GPU's part of the bound
+    torch_step_s: dict[tuple[int, int], float] = {}
     if out_path.exists():  # an earlier invocation of this call (same machine, same file) may have run torch
         for r in json.loads(out_path.read_text()).get("rows", []):
-            if r["runner"] == "torch" and not r.get("variant") and r.get("step_ms") and r.get("model_name") == model["name"]:
-                torch_step_s[r["gpus"]] = r["step_ms"] / 1000
+            if r["runner"] == "torch" and r.get("step_ms") and r.get("model_name") == model["name"] \
+                    and _only_accumulation(r.get("sets", [])):
+                torch_step_s[(r["gpus"], r.get("grad_accum", 1))] = r["step_ms"] / 1000
 
     plan = []
     base = [] if args.no_base else [("", list(RUNNERS), [], [])]
@@ -1091,11 +1105,13 @@ def main(argv: list[str]) -> int:
                  f"(spread {row['spread']:.1%})  GPU {row['peak_gpu_gib']} GiB  RSS {row['host_rss_gib']} GiB  "
                  f"first step {row['first_step_s']} s  wall {row['wall_s']} s  {row['status']}"
                  if rate else f"{row['status']}" + "".join("\n    | " + line for line in row.get("log_tail", []))), flush=True)
-        if runner == "torch" and not variant[0] and rate:
-            torch_step_s[gpus] = row["step_ms"] / 1000
+        if runner == "torch" and rate and _only_accumulation(row["sets"]):
+            torch_step_s[(gpus, row["grad_accum"])] = row["step_ms"] / 1000
         if rates and rates.get("adam_gb_s") and preset in OFFLOAD and rate:
             bound, bound_line = _offload_bound_module().bound, _offload_bound_module().bound_line
-            parts = bound(preset, model["params"], row["grad_accum"], rates, torch_step_s.get(gpus))
+            # torch at the row's accumulation where it ran, else its step a batch
+            peer = (row["grad_accum"] if (gpus, row["grad_accum"]) in torch_step_s else 1)
+            parts = bound(preset, model["params"], row["grad_accum"], rates, torch_step_s.get((gpus, peer)), peer)
             row["offload_bound"] = {**parts,  # seconds a step
                                     "fraction": round(parts["bound_s"] / (row["step_ms"] / 1000), 3)}
             write_results(out_path, {**doc, "rows": [row]})

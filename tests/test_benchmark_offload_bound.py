@@ -45,6 +45,9 @@ def test_accumulation_spreads_the_adam_step_over_more_gpu_work(ob):
     parts = ob.bound("stage3_offload", P, 8, RATES, torch_step_s=0.6)
     assert parts["up_s"] == pytest.approx(2 / 50)          # the weights fetched once a window, kept through it
     assert parts["bound_s"] == pytest.approx(8 * 0.6 + 28 / 26 - 0.2)
+    # torch measured at the same accumulation: its window is the GPU's part (its optimizer step once)
+    same = ob.bound("stage3_offload", P, 8, RATES, torch_step_s=4.5, torch_accumulation=8)
+    assert same["gpu_s"] == pytest.approx(4.5) and same["bound_s"] == pytest.approx(4.5 + 28 / 26 - 4.5 / 8 / 3)
     # a step shorter than the first forward hides behind it entirely
     assert ob.bound("stage3_offload", P, 8, RATES, torch_step_s=6.0)["bound_s"] == pytest.approx(48.0)
 

@@ -49,6 +49,7 @@ def test_suite_trains_an_hf_shape_eager_and_block_compiled_and_bounds_the_offloa
     run_script("suite.py", "--accelerator", "cpu", "--hf-shape", "tiny-qwen2", "--hf-dir", str(tmp_path / "hf"),
                "--seq-len", "32", "--micro-batch", "2", "--steps", "6", "--log-every", "2", "--warmup", "2",
                "--runners", "torch,dstrain", "--presets", "stage2_offload", "--variant", "compiled@torch=+compile_blocks",
+               "--variant", "a2@torch=train.grad_accum_steps=2",
                "--bound-elements", "1000000", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"))
     [path] = (tmp_path / "out").glob("*-cpu.json")
     doc = json.loads(path.read_text())
@@ -56,12 +57,16 @@ def test_suite_trains_an_hf_shape_eager_and_block_compiled_and_bounds_the_offloa
     assert (tmp_path / "hf" / "tiny-qwen2" / "config.json").exists()
     assert doc["offload_rates"]["adam_gb_s"] > 0 and doc["offload_rates"]["h2d_gb_s"] is None  # no GPU here
     rows = {(row["runner"], row["variant"]): row for row in doc["rows"]}
-    assert set(rows) == {("torch", ""), ("torch", "compiled"), ("dstrain", "")}
+    assert set(rows) == {("torch", ""), ("torch", "compiled"), ("torch", "a2"), ("dstrain", "")}
     for row in rows.values():
         assert row["status"] == "ok", row
     # the folder's weights everywhere: the same first loss (torch logs every 2 steps, the offload row every step)
     first = rows[("torch", "")]["loss_curve"][0][1]
     assert rows[("torch", "compiled")]["loss_curve"][0][1] == pytest.approx(first, rel=1e-4)
+    # torch accumulating the same micro batch twice takes the same update: the same losses, twice the tokens
+    assert rows[("torch", "a2")]["grad_accum"] == 2
+    assert [loss for _, loss in rows[("torch", "a2")]["loss_curve"]] == pytest.approx(
+        [loss for _, loss in rows[("torch", "")]["loss_curve"]], rel=1e-5)
     bound = rows[("dstrain", "")]["offload_bound"]
     assert bound["adam_s"] > 0 and bound["gpu_s"] > 0  # the torch row's step time is the GPU's part
     assert bound["fraction"] == pytest.approx(bound["bound_s"] / (rows[("dstrain", "")]["step_ms"] / 1000), rel=0.01)
