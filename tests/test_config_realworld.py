@@ -16,7 +16,7 @@ from dstrain.config.files import read_deepspeed_json
 from dstrain.config.layers import ENV_DEEPSPEED_CONFIG
 from dstrain.config.resolve import resolve
 from dstrain.errors import UserError
-from launcher import TINY, assert_ok, dstrain, losses
+from launcher import TINY, assert_ok, cpu_ranks_support_fp16, dstrain, losses
 
 DEEPSPEED = tuple(int(part) for part in metadata.version("deepspeed").split(".")[:2])
 REALWORLD = Path(__file__).parent / "configs" / "realworld"
@@ -135,7 +135,8 @@ def fixes_fp16_on(name: str) -> bool:
 
 @pytest.mark.parametrize("name", [n for n in FILES if not deepspeed_refuses(n) and n not in CUDA_ONLY])
 def test_a_file_that_cannot_run_on_cpu_ranks_is_refused_by_preflight(name, monkeypatch):
-    """fp16, ZeRO++ quantization and optimizers gone from DeepSpeed: refused with the key, before any rank."""
+    """ZeRO++ quantization and optimizers gone from DeepSpeed: refused with the key, before any rank. fp16 as
+    DeepSpeed's CPU accelerator says on this machine: refused where it refuses fp16, let through where it runs it."""
     from dstrain.launcher.preflight import check_runnable
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as `dstrain run` sets it before importing DeepSpeed
     resolved, _ = resolve_file(name)
@@ -145,8 +146,9 @@ def test_a_file_that_cannot_run_on_cpu_ranks_is_refused_by_preflight(name, monke
         message = str(err)
     else:
         message = ""
-    assert ("fp16 does not run on CPU ranks" in message) == fixes_fp16_on(name), message
-    assert (message != "") == (fixes_fp16_on(name) or name in CPU_REFUSED), message
+    refuses_fp16 = fixes_fp16_on(name) and not cpu_ranks_support_fp16()
+    assert ("fp16 does not run on CPU ranks" in message) == refuses_fp16, message
+    assert (message != "") == (refuses_fp16 or name in CPU_REFUSED), message
     assert CPU_REFUSED.get(name, "") in message
 
 
@@ -222,3 +224,32 @@ def test_a_sample_of_the_corpus_trains_two_steps_on_two_cpu_ranks(name, tmp_path
             (source["zero_optimization"].get(offload) or {}).get("device", "none"), offload
     trained = losses(tmp_path / "run")
     assert sorted(trained) == [1, 2] and all(loss == loss and loss > 0 for loss in trained.values())
+
+
+FP16_SAMPLE = "accelerate__zero_stage3_config.json"  # fp16 on, ZeRO-3
+
+
+@pytest.mark.integration
+def test_an_fp16_file_trains_where_the_cpu_runs_fp16_and_is_refused_before_any_rank_where_not(tmp_path):
+    """Both sides of DeepSpeed's fp16 answer through the real `dstrain run` (not a dry run): on a CPU whose
+    accelerator runs fp16 the published file trains 2 steps in fp16; elsewhere pre-flight refuses it with exit
+    2, naming the file and the fix, before any rank starts."""
+    run_dir = tmp_path / "run"
+    args = ["run", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir)]
+    for item in (*TINY, "train.max_steps=2", "train.save_checkpoints=false", "train.log_every=1",
+                 "train.eval_every=100"):
+        args += ["--set", item]
+    result = dstrain(*args, env={ENV_DEEPSPEED_CONFIG: str(REALWORLD / FP16_SAMPLE)}, timeout=900)
+    if cpu_ranks_support_fp16():
+        assert_ok(result)
+        ds = json.loads((run_dir / "ds_config.json").read_text())
+        assert ds["fp16"]["enabled"] is True and ds["zero_optimization"]["stage"] == 3
+        trained = losses(run_dir)
+        assert trained and all(loss == loss and 0 < loss < float("inf") for loss in trained.values())
+    else:
+        message = " ".join(result.stderr.split())
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "Traceback" not in result.stdout + result.stderr
+        assert f"train.precision (from {ENV_DEEPSPEED_CONFIG} ({REALWORLD / FP16_SAMPLE})" in message, message
+        assert "fp16 does not run on CPU ranks" in message and "set train.precision=bf16" in message, message
+        assert not run_dir.exists()  # refused before the run directory, and so before any rank

@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dstrain.cli import app
+from launcher import cpu_ranks_support_fp16
 
 CONFIGS = Path(__file__).parent / "configs"
 BROKEN = CONFIGS / "broken"
@@ -37,7 +38,6 @@ EXPECTED = {
     "impossible_batch.yaml": "global batch 30",
     "fp16_and_bf16.yaml": "fp16 and bf16 are both enabled",
     "nvme_without_path.yaml": "offload_param.nvme_path: NVMe offload needs a path",
-    "fp16_on_cpu_ranks.yaml": "fp16_on_cpu_ranks.yaml): fp16 does not run on CPU ranks",
     "zero_quantized_weights_on_cpu.yaml": "zero_quantized_gradients (from --config",
     "onebit_optimizer.yaml": "onebit_optimizer.yaml): the installed DeepSpeed 0.19.8 has no optimizer 'OneBitAdam'",
     "deepspeed_optimizer_type_gone.yaml": "deepspeed.optimizer.type (from --config",
@@ -86,6 +86,27 @@ def test_dry_run_rejects_broken_config(name, tmp_path, monkeypatch):
     assert output.startswith("error: ")
     assert EXPECTED[name] in output
     assert list(tmp_path.iterdir()) == []  # no run directory, nothing written
+
+
+def test_fp16_on_cpu_ranks_is_refused_or_planned_as_deepspeeds_cpu_accelerator_says(tmp_path, monkeypatch):
+    """fp16 is bad input only on a CPU whose DeepSpeed accelerator refuses it (no avx512_fp16): there exit 2
+    naming the file and the fix; on one that runs it, the plan, in fp16. Nothing written either way."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.delenv("PL_DEEPSPEED_CONFIG_PATH", raising=False)
+    path = CONFIGS / "fp16_on_cpu_ranks.yaml"
+    result = CliRunner().invoke(app, ["run", "--config", str(path), "--dry-run", "--accelerator", "cpu", "--gpus", "2"],
+                                env={"COLUMNS": "200"})
+    output = " ".join(result.output.split())
+    if cpu_ranks_support_fp16():
+        assert result.exit_code == 0, output
+        assert "would run:" in output and "fp16" in output, output
+    else:
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), output
+        assert f"train.precision (from --config {path}): fp16 does not run on CPU ranks" in output, output
+        assert "fix: set train.precision=bf16 (or fp32)" in output, output
+    assert "Traceback" not in output
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("name", ["typo_deep_offload_key.yaml", "model_module_import_fails.yaml", "../garbage.bin"])

@@ -72,8 +72,7 @@ def test_two_venvs_build_apart_and_a_second_start_finds_its_build(tmp_path):
     library = folder_a / "dstrain_op_cache_probe" / "dstrain_op_cache_probe.so"
     built_at = library.stat().st_mtime_ns
     again_s = float(in_venv(first, LOAD_OP, ranks_a))  # a second start in the same environment
-    assert library.stat().st_mtime_ns == built_at  # found, not built again
-    assert again_s < built_s / 3, (built_s, again_s)
+    assert library.stat().st_mtime_ns == built_at  # found, not built again (its time is printed, not asserted)
     assert not (folder_b / "dstrain_op_cache_probe").exists()  # the other venv would build its own, apart
     print(f"op cache probe: built in {built_s:.1f} s, found by the second start in {again_s:.2f} s")
 
