@@ -49,7 +49,10 @@ start_ops() {
   ) > "$OUT/ops.log" 2>&1 &
   OPS_PID=$!
 }
-wait_ops() { [ -n "${OPS_PID:-}" ] && wait "$OPS_PID" && OPS_PID=; grep -h "ready\|FAILED" "$OUT/ops.log"; }
+wait_ops() {  # once: a later call (the next shape) only repeats the build's summary
+  if [ -n "${OPS_PID:-}" ]; then wait "$OPS_PID"; OPS_PID=; fi
+  grep -h "ready\|FAILED" "$OUT/ops.log"
+}
 
 # $VARIANTS as suite.py arguments, in the array VARIANT_ARGS.
 variant_args() {
