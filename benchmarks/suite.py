@@ -46,8 +46,6 @@ Examples:
   python3 benchmarks/suite.py                                      # 406M GPT, 1 GPU, every preset
   python3 benchmarks/suite.py --gpus 2 --presets stage1,stage2,stage3
   python3 benchmarks/suite.py --n-layer 12 --d-model 768 --n-head 12 --micro-batch 16
-  python3 benchmarks/suite.py --runners deepspeed --presets stage1 --profile \\
-      --variant "before=deepspeed.timers.throughput.enabled=true;deepspeed.bf16.check_grad_overflow=true"
   python3 benchmarks/suite.py --presets stage1 --variant "compile@torch,deepspeed,dstrain=train.compile=true;+compile"
   python3 benchmarks/suite.py --accelerator cpu --n-layer 2 --d-model 64 --n-head 2 --seq-len 32 \\
       --vocab-size 256 --micro-batch 2 --steps 6 --log-every 2 --warmup 2    # CPU smoke test
@@ -214,11 +212,9 @@ def _torch_step(config, device, world: int, local_rank: int, compile_model: bool
     return step
 
 
-def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = False, dc_full_schedule: bool = False,
-                    dstrain_zero3_step: bool = False):
-    """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it (+dstrain_offload: with
-    dstrain's offload changes applied to the engine, +dstrain_zero3_step: with dstrain's ZeRO-3 step, to
-    measure them one by one)."""
+def _deepspeed_step(config, ds_config: dict, device):
+    """The hand-written DeepSpeed loop, as DeepSpeed's documentation writes it: dstrain's JSON, none of
+    dstrain's changes to DeepSpeed's code."""
     import deepspeed
     from dstrain.models import build_model
     from dstrain.rank.runtime import checkpointing_wanted
@@ -231,20 +227,9 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
             checkpoint_in_cpu=ac.get("cpu_checkpointing", False),
             synchronize=ac.get("synchronize_checkpoint_boundary", False))
         model.enable_checkpointing(deepspeed.checkpointing.checkpoint)
-    from dstrain import speedups
-    # dstrain's changes as its worker makes them, switched by the row's speedups section (+env:DSTRAIN_*)
-    wanted = tuple(entry.name for entry in speedups.REGISTRY
-                   if (dstrain_offload and entry.family == "CPU offload")
-                   or (dstrain_zero3_step and entry.family in ("ZeRO-3", "CUDA")))
-    with speedups.building_engine(config.speedups) if dstrain_zero3_step else contextlib.nullcontext():
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
-                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
-    if wanted:
-        for line in speedups.apply(engine, config.speedups, only=wanted).lines():
-            print(line, flush=True)
-    if config.train.compile and dc_full_schedule:  # DeepSpeed's own DeepCompile schedule, profiled passes too
-        engine.compile()
-    elif config.train.compile:  # as dstrain's worker compiles (DeepCompile's schedule included)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    if config.train.compile:  # as dstrain's worker compiles (DeepCompile's schedule included)
         from dstrain.rank.runtime import compile_engine
         line = compile_engine(engine, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
         if line and int(os.environ.get("RANK", "0")) == 0:
@@ -255,7 +240,7 @@ def _deepspeed_step(config, ds_config: dict, device, dstrain_offload: bool = Fal
         engine.backward(loss)
         engine.step()
         return loss
-    return step, engine
+    return step
 
 
 LIGHTNING_STRATEGIES = {"stage1": "deepspeed_stage_1", "stage2": "deepspeed_stage_2",
@@ -355,108 +340,9 @@ def _lightning_fit(config, preset: str, cuda: bool, world: int, log_every: int) 
     return {"intervals": timer.intervals, "peak_gpu_gib": peak, "rank": trainer.global_rank}
 
 
-def _profile(step_fn, next_batch, device, steps: int) -> dict:
-    """torch.profiler over `steps` steps (after the measured loop: nothing left to warm up): the top
-    operators by device and by host time, and the device's kernel time per step."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step_fn(next_batch())
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    averages = prof.key_averages()
-    from torch.autograd import DeviceType
-    kernel_us = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
-    by_device = averages.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
-                               row_limit=25, max_name_column_width=60)
-    by_host = averages.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
-    return {"kernel_ms_per_step": kernel_us / 1000 / steps, "top_device": by_device, "top_host": by_host}
-
-
-def _python_profile(step_fn, next_batch, device, steps: int) -> dict:
-    """cProfile over `steps` steps on this rank: which Python functions (DeepSpeed's hooks, its
-    bookkeeping) the host spends a step in, by own time and by time including callees."""
-    import cProfile
-    import io
-    import pstats
-    import torch
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        step_fn(next_batch())
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    profiler.disable()
-    tables = {}
-    for order in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(40)
-        tables[order] = text.getvalue()
-    return {"steps": steps, "by_own_time": tables["tottime"], "by_total_time": tables["cumulative"]}
-
-
-def _phase_times(engine, next_batch, device, steps: int) -> dict:
-    """Median milliseconds of forward, backward and optimizer step over `steps` steps, the device
-    synchronised between phases: where a step's time goes, at the price of the overlap between them."""
-    import torch
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    times = {"forward": [], "backward": [], "step": []}
-    # dstrain's ZeRO-3 offload step beside the forward: the worker's time on the update, and the forward's
-    # time waiting for it (offload_overlap_zero3.py)
-    from dstrain.speedups import state_of
-    overlap = getattr(state_of(engine), "overlap", None)
-    if overlap is not None:
-        times.update({"update (worker)": [], "forward's waits": []})
-    for _ in range(steps):
-        batch = next_batch()
-        sync()
-        waited = overlap.waited_s if overlap is not None else 0.0
-        t0 = time.perf_counter()
-        loss = engine(batch)
-        sync()
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        sync()
-        t2 = time.perf_counter()
-        if overlap is not None:  # the backward's gradient copies waited for the whole update
-            times["update (worker)"].append(overlap.update_s * 1000)
-            times["forward's waits"].append((overlap.waited_s - waited) * 1000)
-        engine.step()
-        sync()
-        t3 = time.perf_counter()
-        for name, seconds in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2)):
-            times[name].append(seconds * 1000)
-    return {name: round(statistics.median(values), 1) for name, values in times.items() if values}
-
-
-def _run_dstrain_loop(engine, config, run_dir: Path, train_sampler, eval_sampler, device, rank: int,
-                      world: int) -> list[dict]:
-    """Diagnostic (+dstrain_loop): this process's engine driven by dstrain's own train loop, which
-    separates the cost of dstrain's loop from that of its launcher and worker start-up."""
-    from dstrain.rank.loop import LoopParts, StopRequest, train
-    from dstrain.rank.metrics import MetricsLog
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    t = config.train
-    metrics = MetricsLog(run_dir, rank == 0, t.max_steps, t.global_batch_size * config.data.seq_len, 1.0, world, device)
-    parts = LoopParts.build(engine, config, run_dir, train_sampler, eval_sampler, device, metrics,
-                            lambda step: {"step": step}, None)
-    train(engine, config, parts, 0, StopRequest())
-    return _dstrain_intervals(run_dir) if rank == 0 else []
-
-
 def worker(spec_path: Path) -> int:
     """One rank of a torch or deepspeed row, started by torch.distributed.run."""
     spec = json.loads(spec_path.read_text())
-    if spec.get("early_prepare"):  # what an early-started dstrain rank does at its gate, first
-        from dstrain.rank.worker import prepare_while_checks_run
-        prepare_while_checks_run()
     import torch
     import torch.distributed as dist
     from dstrain.config.schema import RunConfig
@@ -488,23 +374,10 @@ def worker(spec_path: Path) -> int:
     else:
         import deepspeed
         deepspeed.init_distributed()
-        step_fn, engine = _deepspeed_step(config, spec["ds_config"], device, spec.get("dstrain_offload", False),
-                                          spec.get("dc_full_schedule", False), spec.get("dstrain_zero3_step", False))
+        step_fn = _deepspeed_step(config, spec["ds_config"], device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    train_sampler, eval_sampler = build_samplers(config)
+    train_sampler, _ = build_samplers(config)
     t = config.train
-    if spec.get("gc_freeze"):  # diagnostic: what dstrain's worker does before its loop
-        import gc
-        gc.collect()
-        gc.freeze()
-    if spec.get("dstrain_loop"):
-        intervals = _run_dstrain_loop(engine, config, Path(spec["result_path"]).with_suffix(".run"),
-                                      train_sampler, eval_sampler, device, rank, world)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-        if rank == 0:
-            Path(spec["result_path"]).write_text(json.dumps({"intervals": intervals, "peak_gpu_gib": peak}))
-        dist.barrier()
-        return 0
 
     # The measured loop: what dstrain's loop does between log points, minus its stop vote.
     intervals = []
@@ -529,21 +402,6 @@ def worker(spec_path: Path) -> int:
     peak_gpu = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
 
     result = {"intervals": intervals, "peak_gpu_gib": peak_gpu}
-    if spec.get("profile"):
-        counter = iter(range(t.max_steps, 10**9))
-        result["profile"] = _profile(
-            step_fn, lambda: _to_device(rank_batch(train_sampler, next(counter), 0, rank, world,
-                                                   t.micro_batch_size, 1), device), device, 4)
-    if spec.get("pyprofile"):
-        counter = iter(range(t.max_steps + 30, 10**9))
-        result["pyprofile"] = _python_profile(
-            step_fn, lambda: _to_device(rank_batch(train_sampler, next(counter), 0, rank, world,
-                                                   t.micro_batch_size, 1), device), device, 6)
-    if spec.get("phases") and spec["runner"] == "deepspeed":
-        counter = iter(range(t.max_steps + 10, 10**9))
-        result["phases_ms"] = _phase_times(
-            engine, lambda: _to_device(rank_batch(train_sampler, next(counter), 0, rank, world,
-                                                  t.micro_batch_size, 1), device), device, 6)
     if rank == 0:
         Path(spec["result_path"]).write_text(json.dumps(result))
     dist.barrier()
@@ -785,12 +643,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     else:
         spec = {"runner": runner, "preset": preset, "accelerator": args.accelerator, "config": resolved.config.model_dump(mode="json"),
                 "ds_config": resolved.ds_config, "result_path": str(work / f"{tag}.result.json"),
-                "profile": args.profile and runner in args.profile_runners,
-                "torch_compile": "compile" in flags, "torch_compile_blocks": "compile_blocks" in flags,
-                "dstrain_loop": "dstrain_loop" in flags,
-                "gc_freeze": "gc_freeze" in flags, "dstrain_offload": "dstrain_offload" in flags,
-                "dstrain_zero3_step": "dstrain_zero3_step" in flags, "dc_full_schedule": "dc_full_schedule" in flags,
-                "phases": "phases" in flags, "pyprofile": "pyprofile" in flags, "early_prepare": "early_prepare" in flags}
+                "torch_compile": "compile" in flags, "torch_compile_blocks": "compile_blocks" in flags}
         spec_path = work / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
         Path(spec["result_path"]).unlink(missing_ok=True)
@@ -826,9 +679,6 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
             result = json.loads(Path(spec["result_path"]).read_text())
             intervals = result["intervals"]
             row["peak_gpu_gib"] = result["peak_gpu_gib"]
-            for key in ("profile", "phases_ms", "pyprofile"):
-                if key in result:
-                    row[key] = result[key]
         tokens_per_step = args.micro_batch * max(gpus, 1) * args.seq_len * accumulation
         summary = _summarise(intervals, warmup, tokens_per_step)
     except (OSError, KeyError, IndexError, ValueError, statistics.StatisticsError) as err:
@@ -854,19 +704,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
 def _parse_variant(text: str) -> tuple[str, list[str], list[str], list[str]]:
     """'NAME[@runner,...]=key=value;+flag;...' -> (name, runners, dstrain overrides, suite flags).
     Runners default to deepspeed,dstrain. Flags: +compile (torch runner: torch.compile the model),
-    +dstrain_loop (deepspeed runner: drive the hand-built engine with dstrain's train loop),
-    +gc_freeze (torch/deepspeed runners: gc.freeze() before the loop, as dstrain's worker does),
-    +dstrain_offload (deepspeed runner: dstrain's offload changes on the hand-built engine),
-    +dstrain_zero3_step (deepspeed runner: dstrain's ZeRO-3 step and unhooked persistent modules,
-    speedups/zero3_step.py and zero3_unhook.py, on the hand-built engine),
-    +phases (deepspeed runner: after the measured loop, 6 steps timed phase by phase, forward, backward
-    and optimizer step, with the device synchronised between them),
-    +dc_full_schedule (deepspeed runner with deepspeed.compile.deepcompile: DeepSpeed's own DeepCompile
-    schedule, with the prefetch and selective-gather passes it profiles for at step 5, where dstrain
-    runs the gather/release pass alone on one GPU),
-    +pyprofile (torch/deepspeed runners: after the measured loop, cProfile of rank 0 over 6 steps),
-    +early_prepare (torch/deepspeed runners: first what an early-started dstrain rank does at its start
-    gate: imports, torch._dynamo, the CUDA context),
+    +compile_blocks (torch runner: each decoder layer of an hf: model compiled, as dstrain's train.compile),
     +env:NAME=VALUE (the row's processes get this environment variable, e.g. env:DSTRAIN_OFFLOAD_CHUNKS=off),
     +log_half (dstrain runner: log only at the middle and the end of the run; --log-cost uses it)."""
     head, _, body = text.partition("=")
@@ -1016,14 +854,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--set", action="append", help="extra dstrain override for every row, e.g. train.lr=3e-4")
     p.add_argument("--variant", action="append", default=[],
                    help="'NAME[@runners]=key=value;+flag': extra rows with these dstrain overrides (runners: "
-                        "deepspeed,dstrain unless named); flags +compile (torch), +dstrain_loop (deepspeed)")
+                        "deepspeed,dstrain unless named); flags +compile, +compile_blocks (torch), +env:NAME=VALUE")
     p.add_argument("--no-base", action="store_true", help="run only the --variant rows")
     p.add_argument("--log-cost", action="store_true",
                    help="add two dstrain rows per preset: log_all (train.log_every=1, train.log_to=[tensorboard,csv]) "
                         "and log_none (logging only at the middle and the end), compared over the second half")
     p.add_argument("--nvme-path", default=str(Path(tempfile.gettempdir()) / "dstrain-bench-nvme"))
-    p.add_argument("--profile", action="store_true", help="torch.profiler tables for torch/deepspeed rows")
-    p.add_argument("--profile-runners", default="torch,deepspeed")
     p.add_argument("--row-timeout", type=float, default=600.0, help="seconds before a row is killed")
     p.add_argument("--keep-runs", action="store_true", help="keep dstrain run directories")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -1116,16 +952,6 @@ def main(argv: list[str]) -> int:
                                     "fraction": round(parts["bound_s"] / (row["step_ms"] / 1000), 3)}
             write_results(out_path, {**doc, "rows": [row]})
             print(bound_line(row, parts), flush=True)
-        if row.get("phases_ms"):
-            print("  phases (ms, synchronised): " + ", ".join(f"{k} {v}" for k, v in row["phases_ms"].items()),
-                  flush=True)
-        if row.get("pyprofile"):
-            print(row["pyprofile"]["by_own_time"][:6000] + "\n" + row["pyprofile"]["by_total_time"][:8000], flush=True)
-        if row.get("profile"):
-            prof = row["profile"]
-            print(f"  profile: device kernels {prof['kernel_ms_per_step']:.1f} ms per step of {row['step_ms']:.1f} ms "
-                  f"({prof['kernel_ms_per_step'] / row['step_ms']:.0%} busy)\n{prof['top_device']}\n{prof['top_host']}",
-                  flush=True)
     final = json.loads(out_path.read_text())
     print("\n" + table(final["rows"]))
     for line in log_cost_lines(final["rows"]):
