@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import types
 
-# 8M elements: the fastest of 0.5M to 32M on the H100 host (benchmarks/offload_step_parts.py; training
+# 8M elements: the fastest of 0.5M to 32M on the H100 host (benchmarks/offload_step_parts.py, removed after 05c256e; training
 # rows at 8M, 16M and 32M were within noise of each other). The GPU staging buffer is one chunk, 32 MiB.
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
 SIMD_BLOCK = 1024  # a multiple of DeepSpeed's widest vector step (16 floats x 8): chunk starts align to it

@@ -199,7 +199,7 @@ def gather_into_views(params, group, world: int, rank: int) -> None:
     into a second buffer, whose slices become the parameters' data.
     DeepSpeed's coalesced gather makes the same single collective but regroups each parameter alone, in
     about 45 Python calls a parameter (narrows, a cat, the device and profiler lookups around them):
-    on two CPU ranks, 8,800 of the step's 14,300 calls (benchmarks/zero_host_calls.py), host work that a
+    on two CPU ranks, 8,800 of the step's 14,300 calls (benchmarks/zero_host_calls.py, removed after 05c256e), host work that a
     host-bound GPU step waits for."""
     import torch
     from deepspeed import comm as dist
