@@ -67,7 +67,8 @@ def test_chunked_log_probs_have_autograds_gradients(bias):
     labels[0, :3] = -100
     upstream = torch.randn(2, 9, generator=gen, dtype=torch.float64)
     logits = F.linear(hidden, weight, b)
-    reference = torch.where(labels != -100, logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0)
+    picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    reference = torch.where(labels != -100, picked, 0)
     inputs = [hidden, weight] + ([b] if bias else [])
     want = torch.autograd.grad((reference * upstream).sum(), inputs)
     from_head = pl.head_token_logps(hidden, weight, labels, b, chunk=4)
@@ -124,6 +125,28 @@ def test_packed_pairs_give_the_unpacked_sequence_logps():
     ref = torch.zeros(pairs)
     assert torch.allclose(pl.dpo_loss(packed_chosen, packed_rejected, ref, ref).loss,
                           pl.dpo_loss(chosen, rejected, ref, ref).loss, **TOL)
+
+
+def test_packed_segment_ids_never_score_across_examples():
+    """Two examples packed in a row, Hugging Face labels (unshifted), the second with no prompt: its first
+    token is a label but the last position of the first example must not score it."""
+    example_ids = torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1]])
+    labels = torch.tensor([[-100, -100, 5, 6, 7, 8, 9, -100]])  # example 1's completion starts at its first token
+    assert pl.shift_segment_ids(example_ids, labels).tolist() == [[-1, 0, 0, -1, 1, 1, -1, -1]]
+    # the scored positions are those of the shifted labels, less the boundary
+    shifted = pl.shift_labels(labels)
+    assert shifted.tolist() == [[-100, 5, 6, 7, 8, 9, -100, -100]]
+
+
+def test_bf16_logits_give_fp32_log_probs_of_the_upcast_logits():
+    gen = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(2, 6, 50, generator=gen)).bfloat16().requires_grad_()
+    labels = torch.randint(0, 50, (2, 6), generator=gen)
+    got = pl.token_logps(logits, labels, chunk=4)
+    want = logits.float().log_softmax(-1).gather(-1, labels[..., None])[..., 0]
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-5)
+    got.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
 
 
 # --- DPO -------------------------------------------------------------------------------------------------
@@ -292,7 +315,8 @@ def zeros(n=3):
     (lambda: pl.dpo_loss(zeros(), zeros(), zeros(), zeros(), loss_type="bco_pair", f_divergence="js_divergence"),
      "applies to the loss types sigmoid"),
     (lambda: pl.dpo_loss(zeros(), zeros(), zeros(), zeros(), f_divergence="kl"), "accepted are reverse_kl"),
-    (lambda: pl.cpo_loss(zeros(), zeros(), zeros(), zeros(), loss_type="orpo"), "accepted are sigmoid, hinge, ipo, simpo"),
+    (lambda: pl.cpo_loss(zeros(), zeros(), zeros(), zeros(), loss_type="orpo"),
+     "accepted are sigmoid, hinge, ipo, simpo"),
     (lambda: pl.cpo_loss(zeros(), zeros(), zeros(), zeros(), beta=0.0), "beta must be"),
     (lambda: pl.orpo_loss(zeros(), zeros(), zeros(), zeros(), zeros(1)[0], beta=-1), "beta must be"),
     (lambda: pl.kto_loss(zeros(), zeros(), zeros().bool(), loss_type="bco"), "accepted are kto, apo_zero_unpaired"),

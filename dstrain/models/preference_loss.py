@@ -9,7 +9,9 @@ fp32 log-probability of each label (0 where the label is ignored) and keep no fp
 backward: the forward goes `chunk` tokens at a time, and the backward recomputes each chunk's softmax
 (from the saved logits, or from hidden @ weight). `segment_logps` then sums them per segment, a segment
 being one completion: padded rows use the row index, packed rows the index of each example, so a row
-holding the chosen and rejected completions of several pairs gives the same sums as one row each.
+holding the chosen and rejected completions of several pairs gives the same sums as one row each
+(`shift_segment_ids` aligns a packed row's example ids with the shifted labels, never scoring across two
+examples).
 Convention, as TRL's concatenated batch: segments 0..P-1 are the chosen completions of pairs 0..P-1,
 segments P..2P-1 their rejected ones (`chosen, rejected = logps.chunk(2)`).
 
@@ -173,6 +175,18 @@ def row_segment_ids(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> t
     """Segment ids for a padded batch [B, T]: the row index where the label is scored, -1 elsewhere."""
     rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(labels)
     return torch.where(labels != ignore_index, rows, -1)
+
+
+def shift_segment_ids(example_ids: torch.Tensor, labels: torch.Tensor,
+                      ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Segment ids aligned with `shift_labels(labels)` for packed rows: `example_ids` [..., T] gives, per
+    input token, which completion (segment) it belongs to (-1 for none), `labels` are Hugging Face's
+    unshifted labels. Position t scores token t + 1 for the segment of t + 1, and only when t and t + 1 belong
+    to the same example: the last position of one example never scores the next example's first token
+    (whose logit comes from the wrong example's context), even when that token is a label."""
+    nxt = F.pad(example_ids[..., 1:], (0, 1), value=-1)
+    scored = (shift_labels(labels, ignore_index) != ignore_index) & (nxt == example_ids) & (nxt >= 0)
+    return torch.where(scored, nxt, -1)
 
 
 def segment_logps(token_logps: torch.Tensor, segment_ids: torch.Tensor,
