@@ -1,6 +1,6 @@
 """dstrain.models.preference_loss against TRL: every loss type and metric recomputed on the inputs that
-tests/scripts/record_trl_preference_losses.py fed TRL 1.16's own trainer methods, equal to 1e-5 in fp32
-(tests/data/trl_preference_losses.json; no TRL needed here). Also: packed rows score as unpacked ones, the
+tests/scripts/record_trl_preference_losses.py fed TRL 1.16's own trainer methods, equal to 1e-5 in fp32,
+and so are the loss's gradients where recorded (tests/data/trl_preference_losses.json; no TRL needed here). Also: packed rows score as unpacked ones, the
 chunked log-probs' gradients match autograd's, and bad arguments raise ValueError naming what is accepted.
 All in-process, on CPU, in well under a second."""
 
@@ -151,10 +151,15 @@ def test_bf16_logits_give_fp32_log_probs_of_the_upcast_logits():
 
 # --- DPO -------------------------------------------------------------------------------------------------
 
-def dpo_inputs():
+def assert_grad_close(actual, expected, what):
+    assert actual is not None, f"{what}: no gradient"
+    assert torch.allclose(actual, tensor(expected), **TOL), f"{what}: gradients differ from TRL's"
+
+
+def dpo_inputs(per_token=None):
     rec = RECORD["dpo"]
     mask = tensor(rec["completion_mask"], torch.long)
-    per_token = tensor(rec["per_token_logps"])
+    per_token = tensor(rec["per_token_logps"]) if per_token is None else per_token
     # the labels' mask, shifted as the log-probs are; segment = row (chosen rows first, then rejected)
     scored = mask[:, 1:]
     ids = torch.where(scored.bool(), torch.arange(mask.shape[0])[:, None], -1)
@@ -167,7 +172,8 @@ DPO_CASES = RECORD["dpo"]["cases"]
 
 @pytest.mark.parametrize("case", DPO_CASES, ids=[c["id"] for c in DPO_CASES])
 def test_dpo_losses_match_trl(case):
-    (chosen, rejected), (chosen_counts, rejected_counts), ref_chosen, ref_rejected = dpo_inputs()
+    per_token = tensor(RECORD["dpo"]["per_token_logps"]).requires_grad_()
+    (chosen, rejected), (chosen_counts, rejected_counts), ref_chosen, ref_rejected = dpo_inputs(per_token)
     config = case["config"]
     result = pl.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, loss_type=config["loss_type"],
                          loss_weights=config.get("loss_weights"), beta=config["beta"],
@@ -179,6 +185,8 @@ def test_dpo_losses_match_trl(case):
     assert_close(result.loss, case["loss"], "loss")
     assert_metrics(result, case["metrics"])
     assert set(result.terms) == set(config["loss_type"])
+    result.loss.backward()
+    assert_grad_close(per_token.grad, case["grad_per_token_logps"], "d loss / d token log-probs")
 
 
 def test_every_dpo_loss_type_is_checked_against_trl():
@@ -196,11 +204,10 @@ def test_the_dpo_loss_has_a_gradient_through_the_policy_only():
 
 # --- CPO / SimPO and ORPO --------------------------------------------------------------------------------
 
-def paired_logps(nll_over_prompt: bool = False):
+def paired_logps(logits, nll_over_prompt: bool = False):
     """Summed log-probs and counts of the recorded CPO/ORPO batch, from its logits; and the chosen NLL over
     the completion (CPO) or, with nll_over_prompt, over prompt and completion (ORPO)."""
     rec = RECORD["cpo_orpo"]
-    logits = tensor(rec["logits"])
     width = logits.shape[1]
 
     def padded(key, value):
@@ -226,7 +233,8 @@ ORPO_CASES = RECORD["cpo_orpo"]["orpo_cases"]
 
 @pytest.mark.parametrize("case", CPO_CASES, ids=[c["id"] for c in CPO_CASES])
 def test_cpo_and_simpo_losses_match_trl(case):
-    (chosen, rejected), (chosen_counts, rejected_counts), _ = paired_logps()
+    logits = tensor(RECORD["cpo_orpo"]["logits"]).requires_grad_()
+    (chosen, rejected), (chosen_counts, rejected_counts), _ = paired_logps(logits)
     config = case["config"]
     result = pl.cpo_loss(chosen, rejected, chosen_counts, rejected_counts, loss_type=config["loss_type"],
                          beta=config["beta"], label_smoothing=config.get("label_smoothing", 0.0),
@@ -234,14 +242,27 @@ def test_cpo_and_simpo_losses_match_trl(case):
                          alpha=config.get("alpha", 0.0))
     assert_close(result.loss, case["loss"], "loss")
     assert_metrics(result, case["metrics"])
+    if "grad_logits" in case:
+        result.loss.backward()
+        assert_grad_close(logits.grad, case["grad_logits"], "d loss / d logits")
 
 
 @pytest.mark.parametrize("case", ORPO_CASES, ids=[c["id"] for c in ORPO_CASES])
 def test_orpo_loss_matches_trl(case):
-    (chosen, rejected), (chosen_counts, rejected_counts), nll = paired_logps(nll_over_prompt=True)
+    logits = tensor(RECORD["cpo_orpo"]["logits"]).requires_grad_()
+    (chosen, rejected), (chosen_counts, rejected_counts), nll = paired_logps(logits, nll_over_prompt=True)
     result = pl.orpo_loss(chosen, rejected, chosen_counts, rejected_counts, nll, beta=case["config"]["beta"])
     assert_close(result.loss, case["loss"], "loss")
     assert_metrics(result, case["metrics"])
+    if "grad_logits" in case:
+        result.loss.backward()
+        assert_grad_close(logits.grad, case["grad_logits"], "d loss / d logits")
+
+
+def test_gradients_are_checked_for_simpo_cpo_and_orpo():
+    assert any("grad_logits" in case and case["config"]["loss_type"] == "simpo" for case in CPO_CASES)
+    assert any("grad_logits" in case and case["config"]["loss_type"] == "sigmoid" for case in CPO_CASES)
+    assert any("grad_logits" in case for case in ORPO_CASES)
 
 
 def test_log1mexp_is_stable_at_both_ends():
@@ -258,15 +279,18 @@ KTO_CASES = RECORD["kto"]["cases"]
 def test_kto_losses_match_trl(case):
     rec, config = RECORD["kto"], case["config"]
 
-    def summed(per_token_key, mask_key):
+    per_token = tensor(rec["per_token_logps"]).requires_grad_()
+    kl_per_token = tensor(rec["kl_per_token_logps"]).requires_grad_()
+
+    def summed(values, mask_key):
         mask = tensor(rec[mask_key], torch.long)[:, 1:]
         ids = torch.where(mask.bool(), torch.arange(mask.shape[0])[:, None], -1)
-        return pl.sequence_logps(tensor(rec[per_token_key]), ids, mask.shape[0])
+        return pl.sequence_logps(values, ids, mask.shape[0])
 
-    logps = summed("per_token_logps", "completion_mask")
+    logps = summed(per_token, "completion_mask")
     kl = None
     if config["loss_type"] == "kto":
-        kl_logps = summed("kl_per_token_logps", "kl_completion_mask")
+        kl_logps = summed(kl_per_token, "kl_completion_mask")
         kl = pl.kto_kl_estimate(kl_logps, tensor(rec["ref_kl_logps"]) - config.get("kl_shift", 0.0))
     result = pl.kto_loss(logps, tensor(rec["ref_logps"]), tensor(config["labels"], torch.bool), kl,
                          loss_type=config["loss_type"], beta=config["beta"],
@@ -274,6 +298,9 @@ def test_kto_losses_match_trl(case):
                          undesirable_weight=config.get("undesirable_weight", 1.0))
     assert_close(result.loss, case["loss"], "loss")
     assert_metrics(result, case["metrics"])
+    result.loss.backward()
+    assert_grad_close(per_token.grad, case["grad_per_token_logps"], "d loss / d token log-probs")
+    assert kl_per_token.grad is None  # the KL term is an estimate without gradient, as TRL's
 
 
 def test_kto_mismatched_completions_rotate_by_one():

@@ -10,7 +10,9 @@ How TRL is called: each trainer's loss method, unbound, on an instance made with
 (`Trainer.__new__(Trainer)`) that carries only the attributes the method reads, and a stand-in model that
 returns fixed outputs for fixed inputs (per-token log-probs for DPO and KTO, as TRL's fused LM head returns
 them; logits for CPO and ORPO; reward logits for the reward model). So the recorded numbers go through TRL's
-own masking, summing, averaging, loss and metric code, with no dataset, tokenizer or training loop:
+own masking, summing, averaging, loss and metric code, with no dataset, tokenizer or training loop. Besides
+each loss and its metrics, the loss's gradient w.r.t. those inputs is recorded (DPO, KTO: the per-token
+log-probs; some CPO/SimPO and ORPO cases: the logits), which also pins what TRL detaches:
 
 - DPOTrainer._compute_loss(self, model, inputs, return_outputs=False), reference log-probs precomputed
 - CPOTrainer.get_batch_loss_metrics(self, model, batch) (trl.experimental.cpo; SimPO is loss_type "simpo")
@@ -157,6 +159,7 @@ def record_dpo(gen):
     sums = (per_token * completion[:, 1:]).sum(1)
     ref = sums + 2 * torch.randn(2 * pairs, generator=gen)
     ref_chosen, ref_rejected = ref.chunk(2)
+    per_token.requires_grad_()  # the loss's gradient w.r.t. the policy's token log-probs is recorded too
     model = LookupModel([(ids, fused_output(per_token))])
     inputs = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion,
               "ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}
@@ -171,15 +174,19 @@ def record_dpo(gen):
                        args=SimpleNamespace(discopop_tau=case.get("discopop_tau", 0.05),
                                             gradient_checkpointing_kwargs=None))
         loss = DPOTrainer._compute_loss(trainer, model, dict(inputs), return_outputs=False)
+        (grad,) = torch.autograd.grad(loss, per_token)
         metrics = {key: value for key, value in last_metrics(trainer).items()
                    if key.startswith(("rewards/", "logps/"))}
-        results.append({"id": case_id(case), "config": case, "loss": loss.item(), "metrics": metrics})
-    return {"completion_mask": rows(completion), "per_token_logps": rows(per_token),
+        results.append({"id": case_id(case), "config": case, "loss": loss.item(), "metrics": metrics,
+                        "grad_per_token_logps": rows(grad)})
+    return {"completion_mask": rows(completion), "per_token_logps": rows(per_token.detach()),
             "ref_chosen_logps": rows(ref_chosen), "ref_rejected_logps": rows(ref_rejected), "cases": results}
 
 
 # --- CPO / SimPO and ORPO --------------------------------------------------------------------------------
 
+CPO_GRAD_CASES = (2, 4)  # the cases whose gradient w.r.t. the logits is recorded (one SimPO, one CPO)
+ORPO_GRAD_CASES = (1,)
 CPO_CASES = [
     {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0},
     {"loss_type": "simpo", "beta": 2.5, "simpo_gamma": 1.4, "cpo_alpha": 0.0, "label_smoothing": 0.1},
@@ -208,6 +215,7 @@ def paired_logits_batch(gen):
 
 def record_cpo_orpo(gen):
     batch, logits = paired_logits_batch(gen)
+    logits.requires_grad_()
     width = logits.shape[1]
     concatenated = torch.cat([torch.nn.functional.pad(batch[f"{s}_input_ids"],
                                                       (0, width - batch[f"{s}_input_ids"].shape[1]))
@@ -223,13 +231,17 @@ def record_cpo_orpo(gen):
         metrics = {key: value for key, value in metrics.items() if not key.startswith("logits/")}
         cpo.append({"id": ",".join(f"{k}={v}" for k, v in case.items()), "config": case, "loss": loss.item(),
                     "metrics": metrics})
+        if len(cpo) - 1 in CPO_GRAD_CASES:
+            cpo[-1]["grad_logits"] = rows(torch.autograd.grad(loss, logits)[0])
     orpo = []
     for case in ORPO_CASES:
         trainer = bare(ORPOTrainer, is_encoder_decoder=False, padding_value=0, beta=case["beta"])
         loss, metrics = ORPOTrainer.get_batch_loss_metrics(trainer, model, dict(batch))
         metrics = {key: value for key, value in metrics.items() if not key.startswith("logits/")}
         orpo.append({"id": f"beta={case['beta']}", "config": case, "loss": loss.item(), "metrics": metrics})
-    return {"batch": {key: rows(value) for key, value in batch.items()}, "logits": rows(logits),
+        if len(orpo) - 1 in ORPO_GRAD_CASES:
+            orpo[-1]["grad_logits"] = rows(torch.autograd.grad(loss, logits)[0])
+    return {"batch": {key: rows(value) for key, value in batch.items()}, "logits": rows(logits.detach()),
             "cpo_cases": cpo, "orpo_cases": orpo}
 
 
@@ -253,6 +265,8 @@ def record_kto(gen):
     kl_per_token = -4 * torch.rand(count, width + 1, generator=gen)
     ref = (per_token * completion[:, 1:]).sum(1) + 2 * torch.randn(count, generator=gen)
     ref_kl = (kl_per_token * kl_completion[:, 1:]).sum(1) + 2 * torch.randn(count, generator=gen) - 1.0
+    per_token.requires_grad_()
+    kl_per_token.requires_grad_()  # TRL's KL forward runs under no_grad: no gradient reaches these
     model = LookupModel([(ids, fused_output(per_token)), (kl_ids, fused_output(kl_per_token))])
     results = []
     for case in KTO_CASES:
@@ -265,13 +279,15 @@ def record_kto(gen):
                   "label": torch.tensor(case["labels"]), "ref_logps": ref,
                   "ref_KL_logps": ref_kl - case.get("kl_shift", 0.0)}
         loss = KTOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+        grad, kl_grad = torch.autograd.grad(loss, (per_token, kl_per_token), allow_unused=True)
+        assert kl_grad is None
         metrics = {key: value for key, value in last_metrics(trainer).items()
                    if key.startswith(("rewards/", "logps/", "kl"))}
         results.append({"id": ",".join(f"{k}={v}" for k, v in case.items() if k != "labels")
                         + f",desirable={sum(case['labels'])}", "config": case, "loss": loss.item(),
-                        "metrics": metrics})
-    return {"completion_mask": rows(completion), "per_token_logps": rows(per_token),
-            "kl_completion_mask": rows(kl_completion), "kl_per_token_logps": rows(kl_per_token),
+                        "metrics": metrics, "grad_per_token_logps": rows(grad)})
+    return {"completion_mask": rows(completion), "per_token_logps": rows(per_token.detach()),
+            "kl_completion_mask": rows(kl_completion), "kl_per_token_logps": rows(kl_per_token.detach()),
             "ref_logps": rows(ref), "ref_kl_logps": rows(ref_kl), "cases": results}
 
 
