@@ -138,6 +138,49 @@ def test_packed_segment_ids_never_score_across_examples():
     assert shifted.tolist() == [[-100, 5, 6, 7, 8, 9, -100, -100]]
 
 
+def test_pairs_packed_through_the_builtin_gpt_score_as_unpacked():
+    """Chosen and rejected sequences of 2 pairs through a tiny built-in GPT: one padded row each, or all
+    four packed in one row (position ids restarting, block-diagonal attention). Same summed log-probs,
+    the head's log-probs taken in chunks; one completion has no prompt (its first token is never scored)."""
+    from dstrain.models.gpt import GPT, document_mask
+    torch.manual_seed(0)
+    model = GPT(vocab_size=31, seq_len=32, d_model=16, n_layer=2, n_head=2).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)  # logits far from uniform
+
+    def hidden(ids, positions, packed):
+        x = model.tok_emb(ids) + model.pos_emb(positions)
+        for block in model.blocks:
+            x = block(x, document_mask(positions)) if packed else block(x)
+        return model.ln_f(x)
+
+    gen = torch.Generator().manual_seed(1)
+    prompts, completions = [3, 2, 3, 0], [4, 5, 2, 6]  # chosen 0, chosen 1, rejected 0, rejected 1
+    sequences = [torch.randint(0, 31, (p + c,), generator=gen) for p, c in zip(prompts, completions)]
+    hf_labels = [torch.cat([torch.full((p,), -100), s[p:]]) for s, p in zip(sequences, prompts)]
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(4, width, dtype=torch.long)
+    labels = torch.full((4, width), -100)
+    for row, (s, lb) in enumerate(zip(sequences, hf_labels)):
+        ids[row, :len(s)], labels[row, :len(s)] = s, lb
+    positions = torch.arange(width).expand(4, width)
+    with torch.no_grad():
+        targets = pl.shift_labels(labels)
+        per_token = pl.head_token_logps(hidden(ids, positions, False), model.head.weight, targets, chunk=3)
+        unpacked = pl.sequence_logps(per_token, pl.row_segment_ids(targets), 4)
+        packed_ids = torch.cat(sequences)[None]
+        packed_labels = torch.cat(hf_labels)[None]
+        packed_positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+        example_ids = torch.cat([torch.full((len(s),), i) for i, s in enumerate(sequences)])[None]
+        packed_token = pl.head_token_logps(hidden(packed_ids, packed_positions, True), model.head.weight,
+                                           pl.shift_labels(packed_labels), chunk=3)
+        packed = pl.sequence_logps(packed_token, pl.shift_segment_ids(example_ids, packed_labels), 4)
+    assert torch.allclose(packed, unpacked, **TOL)
+    counts = pl.segment_logps(packed_token, pl.shift_segment_ids(example_ids, packed_labels), 4)[1]
+    assert counts.tolist() == [4, 5, 2, 5]  # the prompt-less completion: its first token has no predictor
+
+
 def test_bf16_logits_give_fp32_log_probs_of_the_upcast_logits():
     gen = torch.Generator().manual_seed(5)
     logits = (3 * torch.randn(2, 6, 50, generator=gen)).bfloat16().requires_grad_()
