@@ -29,10 +29,50 @@ CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 # Objective "kto" is TRL's KTOTrainer: unpaired completions, each desirable or not.
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
+# preference.loss per objective: the names it accepts and the one it takes when preference.loss is unset.
+# ORPO and the reward model have one loss each (no preference.loss).
+LOSS_TYPES = {"dpo": DPO_LOSS_TYPES, "simpo": CPO_LOSS_TYPES, "kto": KTO_LOSS_TYPES}
+DEFAULT_LOSS = {"dpo": "sigmoid", "simpo": "simpo", "kto": "kto"}
+# preference.sft_weight: the weight of the chosen completions' NLL. DPO: TRL 1.16's extra "sft" loss type
+# (RPO / MPO); SimPO / CPO: CPOConfig.cpo_alpha. ORPO's NLL term is part of its loss, KTO and the reward
+# model have none.
+SFT_WEIGHT_OBJECTIVES = ("dpo", "simpo")
+# Objectives trained on pairs (chosen and rejected completions of one prompt); "kto" reads unpaired
+# completions, each labelled desirable or not (pairs are split into one of each, as TRL's
+# unpair_preference_dataset does).
+PAIRED_OBJECTIVES = ("dpo", "simpo", "orpo", "reward")
+# Which objectives read each key of the preference section; a key set for another objective is ignored,
+# with a warning (the reference's own rules are in dstrain.config.objective).
+READ_BY = {"loss": ("dpo", "simpo", "kto"), "loss_weights": ("dpo",), "beta": ("dpo", "simpo", "orpo", "kto"),
+           "label_smoothing": ("dpo", "simpo"), "reference": ("dpo", "kto"), "sft_weight": SFT_WEIGHT_OBJECTIVES,
+           "simpo_gamma": ("simpo",), "kto_desirable_weight": ("kto",), "kto_undesirable_weight": ("kto",),
+           "center_rewards_coefficient": ("reward",)}
+
 # preference.reference: where the reference log-probs come from. "auto" picks adapters_off under LoRA, a
 # frozen copy of the model otherwise; "none" only for objectives that need no reference.
 REFERENCE_MODES = ("auto", "adapters_off", "model", "precomputed", "none")
 OBJECTIVES_WITHOUT_REFERENCE = ("lm", "simpo", "orpo", "reward")
+
+
+def auto_reference(objective: str, lora: bool) -> str:
+    """What preference.reference "auto" means: none where the objective reads no reference, the base model
+    under the adapters (adapters switched off) with LoRA, else a frozen copy of the model."""
+    if objective in OBJECTIVES_WITHOUT_REFERENCE:
+        return "none"
+    return "adapters_off" if lora else "model"
+
+
+def dpo_loss_terms(loss: str | Sequence[str], weights: Sequence[float] | None,
+                   sft_weight: float) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """The DPO loss list with sft_weight as TRL 1.16 spells RPO / MPO: an extra "sft" term of that weight
+    (added to a listed "sft" term's weight where the list has one). ValueError as check_loss_types."""
+    names, weights = check_loss_types(loss, weights, DPO_LOSS_TYPES)
+    if not sft_weight:
+        return names, weights
+    if "sft" in names:
+        at = names.index("sft")
+        return names, weights[:at] + (weights[at] + sft_weight,) + weights[at + 1:]
+    return names + ("sft",), weights + (float(sft_weight),)
 
 
 def _names(accepted: Sequence[str]) -> str:
@@ -64,6 +104,19 @@ def check_beta(beta: float) -> float:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"beta must be a finite number > 0, got {beta!r}")
     return value
+
+
+def check_label_smoothing(names: Sequence[str], label_smoothing: float) -> None:
+    """ValueError unless label_smoothing suits every loss in `names`: in [0, 1]; robust divides by
+    1 - 2 * label_smoothing, exo_pair takes the log of it and of 1 - it."""
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if "robust" in names and not label_smoothing < 0.5:
+        raise ValueError(f"the 'robust' loss divides by 1 - 2 * label_smoothing: label_smoothing must be in "
+                         f"[0, 0.5), got {label_smoothing}")
+    if "exo_pair" in names and not 0.0 < label_smoothing < 1.0:
+        raise ValueError(f"the 'exo_pair' loss takes log(label_smoothing) and log(1 - label_smoothing): "
+                         f"label_smoothing must be in (0, 1), got {label_smoothing} (the EXO paper uses 1e-3)")
 
 
 def check_choice(value: str, accepted: Sequence[str], what: str) -> str:

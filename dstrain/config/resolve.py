@@ -28,6 +28,7 @@ from dstrain.config.deepspeed_keys import AUTO
 from dstrain.config.long_context import check_checkpoint_offload, resolve_tiled_mlp
 from dstrain.config.layers import (DEFAULT, PRESET_RANK, Merged, Source, collect_layers, flatten, get_path, merge,
                                    set_path)
+from dstrain.config.objective import check_objective
 from dstrain.config.schema import RunConfig
 from dstrain.config.speed_defaults import (check_deepcompile, compile_warnings, render_speed_defaults, resolve_compile,
                                            resolve_loss_chunking)
@@ -131,6 +132,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
     check_deepcompile(config, rendered, merged, accelerator, problems)
     compile_warnings(config, rendered, merged, warnings)
     _inapplicable_model_keys(config, merged, warnings)
+    check_objective(config, merged, problems, warnings, notes)
     _one_gpu_stage3_warning(rendered, merged, world_size, accelerator, warnings)
     _nvme_reuse_warning(rendered, merged, warnings)
     _partial_offload_warning(rendered, merged, warnings)
@@ -217,7 +219,7 @@ def _pydantic_fix(e: dict, path: str) -> str:
     from dstrain.config import schema
     parts = path.split(".")
     section = {"model": schema.ModelConfig, "data": schema.DataConfig, "train": schema.TrainConfig,
-               "speedups": schema.SpeedupsConfig}
+               "speedups": schema.SpeedupsConfig, "preference": schema.PreferenceConfig}
     model = section.get(parts[0]) if len(parts) == 2 else (schema.RunConfig if len(parts) == 1 else None)
     if e["type"] == "extra_forbidden":
         if model is None:

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, field_validator,
                       model_validator)
 
+from dstrain.config.preference import OBJECTIVES, REFERENCE_MODES
+
 
 BUILTIN_TRACKERS = ("tensorboard", "wandb", "csv")  # train.log_to names besides a user's "module:Class"
 # train.tiled_mlp "auto" is on from this many tokens of one sequence on a rank (seq_len / sequence_parallel;
@@ -136,6 +138,18 @@ class DataFields(Section):
                              "observation": "tool"}
     """Speaker names of format "sharegpt" -> chat roles (user, assistant, system, tool); a turn whose
     speaker is not listed is an error naming it. Setting this replaces the whole mapping."""
+    chosen: str = "chosen"
+    """The preferred completion, for format "preference": a string, or a list of messages (with the prompt's
+    turns in front when the row has no prompt field), or one {from, value} turn beside "conversations"."""
+    rejected: str = "rejected"
+    """The dispreferred completion, for format "preference"; written as the chosen one is."""
+    completion: str = "completion"
+    """The completion of an unpaired (KTO) row of format "preference": a string or a list of messages."""
+    label: str = "label"
+    """Whether an unpaired (KTO) row's completion is desirable: true or false."""
+    margin: str = "margin"
+    """An optional number per pair of format "preference": how much better the chosen completion is, read by
+    the reward model's loss (-log sigmoid(r_chosen - r_rejected - margin)); rows without it have none."""
 
 
 class DataConfig(Section):
@@ -154,12 +168,14 @@ class DataConfig(Section):
     tokenizer: str | None = None
     """"byte" (one token per UTF-8 byte, vocab 256) or a Hugging Face tokenizer name or directory; unset:
     the model's own tokenizer for "hf:" models, else "byte"."""
-    format: Literal["text", "prompt_response", "chat", "alpaca", "sharegpt"] = "text"
+    format: Literal["text", "prompt_response", "chat", "alpaca", "sharegpt", "preference"] = "text"
     """How rows of the jsonl/json/parquet/datasets sources become tokens: "text" (documents packed into
     seq_len windows, end-of-text between them), "prompt_response" (loss on the response only), "chat"
     (OpenAI-style messages rendered by the chat template, loss on assistant turns only), "alpaca"
-    (instruction/input/output; loss on the output) or "sharegpt" (conversations of {from, value}
-    turns, read as chat); see docs/data.md."""
+    (instruction/input/output; loss on the output), "sharegpt" (conversations of {from, value}
+    turns, read as chat) or "preference" (chosen and rejected completions of a prompt, or KTO's
+    prompt/completion/label, for train.objective dpo, simpo, orpo, kto and reward; the layouts are
+    told apart by their fields, see dstrain/data/layouts.py); see docs/data.md."""
     packing: bool | Literal["auto"] = "auto"
     """Several whole examples per seq_len row (formats other than "text"), each with its own position
     ids and no attention across examples, instead of one example padded to seq_len. "auto": on where
@@ -187,6 +203,12 @@ STREAM_EVAL_BATCHES = 8  # train.eval_batches left unset, for a token-stream sou
 
 
 class TrainConfig(Section):
+    objective: Literal[OBJECTIVES] = "lm"
+    """What the loss is: "lm" (next-token cross-entropy), or a preference objective on data.format
+    "preference" (the preference section sets it up): "dpo" (DPO and its variants, preference.loss),
+    "simpo" (SimPO / CPO, no reference model), "orpo" (ORPO, no reference model), "kto" (KTO on
+    completions labelled desirable or not) or "reward" (a reward model: an "hf:" model with a scalar
+    head, Bradley-Terry loss). The losses are TRL 1.16's (dstrain/models/preference_loss.py)."""
     max_steps: PositiveInt = 200
     """Optimizer steps to train for."""
     micro_batch_size: PositiveInt = 8
@@ -368,6 +390,41 @@ class TrainConfig(Section):
     checkpoints and exports but never reach the optimizer."""
 
 
+class PreferenceConfig(Section):
+    """Preference training (train.objective dpo, simpo, orpo, kto, reward): the loss, its strength and where
+    the reference log-probs come from. Names and checks: dstrain/config/preference.py (TRL 1.16's names)."""
+
+    loss: str | list[str] | None = None
+    """The loss type, or a list summed with loss_weights (objective dpo: sigmoid, hinge, ipo, robust,
+    apo_zero, sft, ...; simpo: simpo, sigmoid, hinge, ipo; kto: kto, apo_zero_unpaired). Unset: sigmoid
+    for dpo, simpo for simpo, kto for kto. ORPO and the reward model have one loss and ignore it."""
+    loss_weights: list[float] | None = None
+    """One weight per entry of preference.loss, in its order; unset: 1 each."""
+    beta: float = 0.1
+    """The preference strength (> 0): DPO's KL coefficient (higher stays closer to the reference), SimPO's
+    reward scale, ORPO's odds-ratio weight (TRL's lambda), KTO's beta."""
+    label_smoothing: float = Field(0.0, ge=0.0, le=1.0)
+    """The probability that a pair's labels are flipped, read by the DPO losses robust, exo_pair, aot and
+    aot_unpaired (robust needs < 0.5, exo_pair > 0) and by SimPO; the others ignore it, as in TRL."""
+    reference: Literal[REFERENCE_MODES] = "auto"
+    """Where the reference log-probs come from (dpo, kto): "adapters_off" (the same model with its LoRA
+    adapters switched off: no second copy), "model" (a frozen copy of the starting weights), "precomputed"
+    (the reference's log-probs computed once before training), "none" (simpo, orpo and reward read no
+    reference). "auto": none where the objective reads none, adapters_off with model.lora, else model."""
+    sft_weight: NonNegativeFloat = 0.0
+    """Weight of the chosen completions' NLL added to the loss (RPO / MPO): for dpo TRL 1.16's extra "sft"
+    loss type with this weight, for simpo its cpo_alpha (the SimPO paper uses 0, CPO 1). 0: none."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (the loss is -log sigmoid(beta * margin - gamma))."""
+    kto_desirable_weight: PositiveFloat = 1.0
+    """KTO: the weight of the desirable completions' losses (raise it when they are rarer)."""
+    kto_undesirable_weight: PositiveFloat = 1.0
+    """KTO: the weight of the undesirable completions' losses."""
+    center_rewards_coefficient: NonNegativeFloat | None = None
+    """Reward model: the weight of mean((r_chosen + r_rejected)^2), which keeps rewards centred on 0
+    (TRL's center_rewards_coefficient; 0.01 is its suggestion); unset: no such term."""
+
+
 class SpeedupsConfig(Section):
     """dstrain's changes to DeepSpeed's internals (dstrain/speedups/), each on unless switched off here;
     a change that does not cover the run's set-up is skipped and rank 0 says why. The DSTRAIN_<KEY>
@@ -473,6 +530,8 @@ class RunConfig(Section):
     """The data to train on."""
     train: TrainConfig = TrainConfig()
     """The training loop."""
+    preference: PreferenceConfig = PreferenceConfig()
+    """Preference training's loss and reference (read when train.objective is not lm)."""
     speedups: SpeedupsConfig = SpeedupsConfig()
     """dstrain's changes to DeepSpeed's internals, each on or off (dstrain/speedups/)."""
     profile: ProfileConfig = ProfileConfig()

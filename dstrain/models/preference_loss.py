@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from dstrain.config.preference import (CPO_LOSS_TYPES, DPO_LOSS_TYPES, F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCES,
-                                       KTO_LOSS_TYPES, check_beta, check_choice, check_loss_types)
+                                       KTO_LOSS_TYPES, check_beta, check_choice, check_label_smoothing,
+                                       check_loss_types)
 
 IGNORE_INDEX = -100
 
@@ -235,17 +236,6 @@ def _f_scores(logratios: torch.Tensor, f_divergence: str, f_alpha: float) -> tor
     return (torch.exp(torch.clamp(scaled.float(), max=limit)) - 1.0).to(scaled.dtype) / (f_alpha - 1.0)
 
 
-def _check_label_smoothing(names: tuple[str, ...], label_smoothing: float) -> None:
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if "robust" in names and not label_smoothing < 0.5:
-        raise ValueError(f"the 'robust' loss divides by 1 - 2 * label_smoothing: label_smoothing must be in "
-                         f"[0, 0.5), got {label_smoothing}")
-    if "exo_pair" in names and not 0.0 < label_smoothing < 1.0:
-        raise ValueError(f"the 'exo_pair' loss takes log(label_smoothing) and log(1 - label_smoothing): "
-                         f"label_smoothing must be in (0, 1), got {label_smoothing} (the EXO paper uses 1e-3)")
-
-
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
              ref_rejected_logps: torch.Tensor, *, loss_type: str | list[str] = "sigmoid",
              loss_weights: list[float] | None = None, beta: float = 0.1, label_smoothing: float = 0.0,
@@ -272,7 +262,7 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     if f_divergence != "reverse_kl" and not set(names) <= set(F_DIVERGENCE_LOSS_TYPES):
         raise ValueError(f"f-divergence {f_divergence!r} applies to the loss types "
                          f"{', '.join(F_DIVERGENCE_LOSS_TYPES)} only, got {', '.join(names)}")
-    _check_label_smoothing(names, label_smoothing)
+    check_label_smoothing(names, label_smoothing)
     if discopop_tau <= 0 and "discopop" in names:
         raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}")
     needs_counts = [name for name in names if name in ("ipo", "sigmoid_norm", "sft")]
