@@ -74,6 +74,7 @@ def _check_rows(config: RunConfig, data: DataConfig) -> list[str]:
     from dstrain.data.tokenized import load_encoded
     encoded = load_encoded(data)
     split_encoded(encoded, data)
+    _check_preference_rows(config, encoded)
     if config.model.name == "gpt" and encoded.max_id() >= config.model.vocab_size:
         raise UserError.single(f"the tokenized data holds token id {encoded.max_id()}, but model.vocab_size is "
                                f"{config.model.vocab_size}", "model.vocab_size",
@@ -95,18 +96,32 @@ def _check_rows(config: RunConfig, data: DataConfig) -> list[str]:
     return warnings
 
 
+def _check_preference_rows(config: RunConfig, encoded) -> None:
+    """The paired objectives need pairs: a KTO row (prompt, completion, label) is an error naming the first."""
+    from dstrain.config.preference import PAIRED_OBJECTIVES
+    if encoded.groups is None or config.train.objective not in PAIRED_OBJECTIVES or not encoded.stats["unpaired"]:
+        return
+    raise UserError.single(f"train.objective {config.train.objective} trains on pairs, but {encoded.stats['unpaired']} "
+                           "rows are unpaired completions (prompt, completion, label), the first here",
+                           encoded.stats["first_unpaired"],
+                           "give every row chosen and rejected completions, or set train.objective: kto")
+
+
 def split_encoded(encoded, data: DataConfig):
-    """(train, held-out) parts of encoded rows: the last eval_fraction of the packed stream ("text")
-    or of the examples (other formats), as for the token sources. Both must hold a sample."""
+    """(train, held-out) parts of encoded rows: the last eval_fraction of the packed stream ("text"),
+    of the examples (other formats: offsets into ids) or of the groups ("preference": offsets into the
+    examples), as for the token sources. Both must hold a sample."""
     from dstrain.data.sources import split
     if encoded.tokens is not None:
         return split(encoded.tokens, data.eval_fraction, data.seq_len)
-    examples = len(encoded.offsets) - 1
+    bounds = encoded.offsets if encoded.groups is None else encoded.groups  # a pair is never split
+    examples = len(bounds) - 1
+    what = "examples" if encoded.groups is None else "preference rows"
     cut = int(examples * (1.0 - data.eval_fraction))
     if cut < 1 or cut >= examples:
-        raise UserError.single(f"{examples} examples are too few to hold out {data.eval_fraction:.0%} and train on "
+        raise UserError.single(f"{examples} {what} are too few to hold out {data.eval_fraction:.0%} and train on "
                                "the rest", "data.eval_fraction", "use more rows, or another data.eval_fraction")
-    return encoded.offsets[:cut + 1], encoded.offsets[cut:]
+    return bounds[:cut + 1], bounds[cut:]
 
 
 def load_dataset(config: RunConfig):
@@ -146,7 +161,7 @@ def build_samplers(config: RunConfig):
     if data.source in ROW_SOURCES:
         # dstrain run resolves "auto" to true or false before the ranks start (dstrain.models.packing);
         # "auto" still here (a config frozen before packing existed) pads, as such runs did.
-        return _row_samplers(data_config(config), seed, data.packing is True)
+        return _row_samplers(data_config(config), seed, data.packing is True, config.train.objective)
     train, held_out = split(load_tokens(data_config(config)), data.eval_fraction, data.seq_len)
     # Only the built-in GPT reads model.vocab_size; a user model sizes its own embedding.
     vocab = config.model.vocab_size if config.model.name == "gpt" else None
@@ -154,11 +169,16 @@ def build_samplers(config: RunConfig):
             S.WindowSampler(held_out, data.seq_len, seed + 1, vocab))
 
 
-def _row_samplers(data: DataConfig, seed: int, packed: bool):
+def _row_samplers(data: DataConfig, seed: int, packed: bool, objective: str = "lm"):
     from dstrain.data import sampler as S
     from dstrain.data.tokenized import load_encoded
     encoded = load_encoded(data)
     train, held_out = split_encoded(encoded, data)
+    if encoded.groups is not None:  # format "preference": whole pairs (or KTO's examples) per row
+        from dstrain.config.preference import PAIRED_OBJECTIVES
+        paired = objective in PAIRED_OBJECTIVES
+        return tuple(S.PreferenceSampler(encoded, groups, data.seq_len, seed + i, paired, packed)
+                     for i, groups in enumerate((train, held_out)))
     if encoded.tokens is not None:
         return S.PackedSampler(train, data.seq_len, seed), S.PackedSampler(held_out, data.seq_len, seed + 1)
     rows = S.PackedExampleSampler if packed else S.ExampleSampler

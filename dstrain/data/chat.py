@@ -69,15 +69,26 @@ def encode_conversations(data_format: str, wheres: list[str], conversations: lis
                          encoder: Encoder, key: str) -> Encoded:
     """Conversations ({role, content} messages; `wheres`: the row each came from, `key`: the config key
     that names its field, for messages) rendered and labelled as format "chat" does."""
+    examples = conversation_examples(data_format, wheres, conversations, data, encoder, key)
+    return store_examples(data_format, examples, data.seq_len, encoder.pad_id)
+
+
+def conversation_examples(data_format: str, wheres: list[str], conversations: list[list], data: DataConfig,
+                          encoder: Encoder, key: str,
+                          score_from: list[int] | None = None) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) of each conversation, labels on its assistant turns. `score_from[i]`: conversation i's
+    assistant turns before that message index are context, not labels (format "preference": the prompt's
+    turns, which the chosen and rejected completions share)."""
     template = chat_template(data, encoder, data_format)
     marked = GENERATION_BLOCK.search(template) is not None
     examples = []
-    for where, messages in zip(wheres, conversations):
+    for number, (where, messages) in enumerate(zip(wheres, conversations)):
         check_messages(where, messages, key)
+        first = score_from[number] if score_from else 0
         render = _renderer(encoder.hf, template, where, key)
-        examples.append(_by_generation_mask(encoder.hf, messages, template, where, key) if marked
-                        else _by_prefixes(encoder.hf, messages, render, where))
-    return store_examples(data_format, examples, data.seq_len, encoder.pad_id)
+        examples.append(_by_generation_mask(encoder.hf, messages, template, where, key, first) if marked
+                        else _by_prefixes(encoder.hf, messages, render, where, first))
+    return examples
 
 
 def _renderer(tokenizer, template: str, where: str, key: str):
@@ -92,22 +103,31 @@ def _renderer(tokenizer, template: str, where: str, key: str):
     return render
 
 
-def _by_generation_mask(tokenizer, messages: list, template: str, where: str, key: str) -> tuple[list[int], list[int]]:
+def _by_generation_mask(tokenizer, messages: list, template: str, where: str, key: str,
+                        first: int = 0) -> tuple[list[int], list[int]]:
     try:
         out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
+        context = (tokenizer.apply_chat_template(messages[:first], chat_template=template, tokenize=True,
+                                                 return_dict=True, add_generation_prompt=True)["input_ids"]
+                   if first else [])
     except Exception as err:  # noqa: BLE001 - the template rejects this conversation
         raise UserError.single(f"the chat template cannot render this conversation: {type(err).__name__}: {err}",
                                f"{where} ({key})", "fix the row (e.g. roles in the order the template expects)") from None
     ids = list(out["input_ids"])
-    return ids, [token if mask else IGNORE for token, mask in zip(ids, out["assistant_masks"])]
+    if list(context) != ids[:len(context)]:  # the prompt's tokens must open the whole conversation's
+        raise UserError.single(f"the chat template renders the prompt's {first} turns differently once the "
+                               "completion follows, so the completion's tokens cannot be told apart",
+                               f"{where} (data.chat_template)", "use a template that renders earlier turns alike")
+    return ids, [token if mask and at >= len(context) else IGNORE
+                 for at, (token, mask) in enumerate(zip(ids, out["assistant_masks"]))]
 
 
-def _by_prefixes(tokenizer, messages: list, render, where: str) -> tuple[list[int], list[int]]:
+def _by_prefixes(tokenizer, messages: list, render, where: str, first: int = 0) -> tuple[list[int], list[int]]:
     full = render(messages, False)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != ASSISTANT:
+        if message["role"] != ASSISTANT or i < first:
             continue
         before, through = render(messages[:i], True), render(messages[:i + 1], False)
         if not (through.startswith(before) and full.startswith(through)):

@@ -36,7 +36,8 @@ MAX_REPORTED = 3  # bad rows reported one by one; the rest are counted
 @dataclass
 class Encoded:
     """Tokenized rows. "text": `tokens`, one packed stream. Other formats: example i is
-    ids[offsets[i]:offsets[i + 1]] with its labels at the same places."""
+    ids[offsets[i]:offsets[i + 1]] with its labels at the same places; "preference" also groups the
+    examples of a row (a pair's two) and keeps them together (dstrain/data/preference.py)."""
 
     format: str
     pad_id: int
@@ -44,6 +45,9 @@ class Encoded:
     ids: np.ndarray | None = None
     labels: np.ndarray | None = None
     offsets: np.ndarray | None = None
+    groups: np.ndarray | None = None  # format "preference": group g is examples groups[g]:groups[g + 1]
+    desirable: np.ndarray | None = None  # format "preference": per example, chosen (or KTO-desirable) 1
+    margins: np.ndarray | None = None  # format "preference": per group, nan where the row has none
     stats: dict = field(default_factory=dict)  # rows, truncated, dropped, longest
 
     def max_id(self) -> int:

@@ -257,3 +257,39 @@ class PackedExampleSampler:
                 at = end
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
                 "position_ids": torch.from_numpy(positions)}
+
+
+class PreferenceSampler:
+    """Batches of format "preference" (dstrain/data/preference.py, PreferenceRows): whole pairs (or KTO's
+    examples) packed into rows, or one example a row. A sample is a packed row, or, padded, a unit (a pair,
+    whose two examples take two rows of the batch: chosen rows first; a KTO example, one row). The batch is
+    {"input_ids", "labels", "position_ids", "example_ids", "desirable"} and, for pairs, "margin": see
+    PreferenceRows.layout. Sample i is a pure function of (seed, i), as for the other samplers."""
+
+    def __init__(self, encoded, groups, seq_len: int, seed: int, paired: bool, packed: bool):
+        from dstrain.data.preference import PreferenceRows, unit_offsets
+        self.layout = PreferenceRows(encoded, unit_offsets(encoded, groups, paired), seq_len, seed, paired, packed)
+        self.packed, self.paired, self.seq_len = packed, paired, seq_len
+        self.size = self.layout.rows() if packed else self.layout.count
+        assert self.size > 0, "the split guarantees at least one pair"
+        self.order = SeededOrder(self.size, seed)
+
+    @property
+    def efficiency(self) -> float:
+        return self.layout.efficiency()
+
+    def _units(self, first: int, count: int) -> list[list[int]]:
+        """Per packed row its units; padded, one list of the samples' units."""
+        if self.packed:
+            return [self.layout.row_units(self.order.item(s)).tolist() for s in range(first, first + count)]
+        return [[self.order.item(s) for s in range(first, first + count)]]
+
+    def real_tokens(self, first: int, count: int) -> int:
+        return int(sum(self.layout.unit_lengths[u] for group in self._units(first, count) for u in group))
+
+    def examples(self, first: int, count: int) -> int:
+        return sum(len(group) for group in self._units(first, count))
+
+    def batch(self, first_sample: int, count: int) -> dict[str, torch.Tensor]:
+        arrays = self.layout.layout(self._units(first_sample, count))
+        return {name: torch.from_numpy(value) for name, value in arrays.items()}

@@ -74,8 +74,11 @@ MARKERS = {"chatml": ("<|im_start|>", "<|im_end|>"), "qwen2": ("<|im_start|>", "
 
 
 def uses_template(data) -> bool:
-    """Whether data.format renders conversations (and so reads data.chat_template)."""
-    return data.format in ("chat", "sharegpt") or (data.format == "alpaca" and data.chat_template is not None)
+    """Whether data.format renders conversations (and so reads data.chat_template). "preference" renders
+    its message rows (and Alpaca rows, once a template is set); text rows need none, so the tokenizer's own
+    template is looked for only when a message row comes."""
+    return data.format in ("chat", "sharegpt") or (data.format in ("alpaca", "preference")
+                                                   and data.chat_template is not None)
 
 
 def named_or_file(value: str) -> str:

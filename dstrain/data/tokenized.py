@@ -26,7 +26,7 @@ from dstrain.data.formats import Encoded, Encoder, encode_prompt_response, encod
 from dstrain.errors import UserError
 
 CACHE_VERSION = 2  # raise when the encoding changes, so old entries are not read
-ARRAYS = ("tokens", "ids", "labels", "offsets")
+ARRAYS = ("tokens", "ids", "labels", "offsets", "groups", "desirable", "margins")
 
 
 def cache_root(data: DataConfig) -> Path:
@@ -54,6 +54,9 @@ def encode_rows(data: DataConfig, encoder: Encoder) -> Encoded:
         return encode_text(rows, data, encoder)
     if data.format == "prompt_response":
         return encode_prompt_response(rows, data, encoder)
+    if data.format == "preference":
+        from dstrain.data.preference import encode_preference
+        return encode_preference(rows, data, encoder)
     from dstrain.data import layouts
     if data.format == "alpaca":
         return layouts.encode_alpaca(rows, data, encoder)
