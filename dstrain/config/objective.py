@@ -6,8 +6,8 @@ says where in the config each one applies. No torch import."""
 from __future__ import annotations
 
 from dstrain.config.layers import PRESET_RANK, Merged
-from dstrain.config.preference import (DEFAULT_LOSS, LOSS_TYPES, OBJECTIVES_WITHOUT_REFERENCE, READ_BY,
-                                       auto_reference, check_beta, check_label_smoothing, check_loss_types)
+from dstrain.config.preference import (DEFAULT_LOSS, LOSS_TYPES, NOT_TRAINED_YET, OBJECTIVES_WITHOUT_REFERENCE,
+                                       READ_BY, TRAINED_OBJECTIVES, auto_reference, check_beta, check_label_smoothing, check_loss_types)
 from dstrain.config.schema import RunConfig
 from dstrain.errors import Problem
 
@@ -29,6 +29,8 @@ def check_objective(config: RunConfig, merged: Merged, problems: list[Problem], 
             warnings.append(f"{where('preference')}: ignored with train.objective lm ({', '.join(user_set)} set); "
                             "set train.objective to a preference objective, or remove the section")
         return
+    if objective not in TRAINED_OBJECTIVES:
+        warnings.append(f"{where('train.objective')}: {objective}: {NOT_TRAINED_YET}")
     for key in user_set:
         if objective not in READ_BY[key]:
             warnings.append(f"{where(f'preference.{key}')}: train.objective {objective} does not read it (it is read "
@@ -47,7 +49,8 @@ def check_objective(config: RunConfig, merged: Merged, problems: list[Problem], 
             problems.append(Problem(str(err), where("preference.beta"),
                                     "e.g. preference.beta: 0.1 (TRL's default; SimPO's recipes use 2-10)"))
     _resolve_reference(config, merged, problems, notes)
-    if objective == "kto" and (pref.loss or DEFAULT_LOSS["kto"]) == "kto" and config.train.micro_batch_size < 2:
+    loss = pref.loss if pref.loss is not None else DEFAULT_LOSS.get(objective)
+    if objective == "kto" and "kto" in ([loss] if isinstance(loss, str) else loss) and config.train.micro_batch_size < 2:
         problems.append(Problem("the KTO loss estimates its KL term from each completion paired with another "
                                 "example's prompt in the same micro batch, which needs at least 2 examples (TRL "
                                 "requires a batch > 1)", where("train.micro_batch_size"),

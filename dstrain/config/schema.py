@@ -203,14 +203,14 @@ STREAM_EVAL_BATCHES = 8  # train.eval_batches left unset, for a token-stream sou
 
 
 class TrainConfig(Section):
+    max_steps: PositiveInt = 200
+    """Optimizer steps to train for."""
     objective: Literal[OBJECTIVES] = "lm"
     """What the loss is: "lm" (next-token cross-entropy), or a preference objective on data.format
     "preference" (the preference section sets it up): "dpo" (DPO and its variants, preference.loss),
     "simpo" (SimPO / CPO, no reference model), "orpo" (ORPO, no reference model), "kto" (KTO on
     completions labelled desirable or not) or "reward" (a reward model: an "hf:" model with a scalar
     head, Bradley-Terry loss). The losses are TRL 1.16's (dstrain/models/preference_loss.py)."""
-    max_steps: PositiveInt = 200
-    """Optimizer steps to train for."""
     micro_batch_size: PositiveInt = 8
     """Sequences per rank per forward pass (DeepSpeed's train_micro_batch_size_per_gpu)."""
     grad_accum_steps: PositiveInt = 1

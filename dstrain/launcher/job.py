@@ -18,6 +18,7 @@ from rich.console import Console
 
 from dstrain import __version__
 from dstrain.checkpoints import find_resume, find_resume_auto
+from dstrain.config.preference import NOT_TRAINED_YET, TRAINED_OBJECTIVES
 from dstrain.config.resolve import ResolvedConfig, resolve
 from dstrain.errors import UserError
 from dstrain.hangs import hang_timeout_s
@@ -55,6 +56,10 @@ def launch(o: LaunchOptions) -> int:
         console.print(f"[yellow]note:[/] --resume without --config or --preset: the run directory's own config "
                       f"{frozen} is used (--set still overrides it)", soft_wrap=True)
         _restore_secrets(resolved, frozen.parent)
+    objective = resolved.config.train.objective
+    if not o.dry_run and objective not in TRAINED_OBJECTIVES:  # else its batches would train as next-token prediction
+        raise UserError.single(f"train.objective {objective}: {NOT_TRAINED_YET}", "train.objective",
+                               "use train.objective: lm until the preference training loop is in")
     run_dir = Path(o.run_dir or default_run_dir(resolved))
     port = master_port(o, shape)
     command = runner_command(o, shape, run_dir, port)
