@@ -46,6 +46,19 @@ def test_preview_counts_kept_cut_dropped_and_held_out_and_marks_the_trained_toke
     assert "Question 0?\n⟦Answer.<eos>⟧" in result.output  # the first training example, its response marked
 
 
+def test_preview_of_preference_pairs_shows_prompt_chosen_rejected_and_the_packing_of_whole_pairs(tmp_path):
+    rows = [{"prompt": f"Q{i}? ", "chosen": "yes" * (i % 3 + 1), "rejected": "no"} for i in range(19)]
+    rows += [{"prompt": "P" * 70, "chosen": "c", "rejected": "r"}]  # no completion token left: dropped whole
+    result = preview(tmp_path, rows, "data.format=preference", "train.objective=dpo", "data.seq_len=64",
+                     "data.eval_fraction=0.1")
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "rows read 20" in out and "kept 19: 19 pairs, 0 unpaired (KTO); 17 to train on, 2 held out" in out
+    assert "left out 1 (a completion with no token left within seq_len)" in out
+    assert "rows of whole pairs packed:" in out and "34 rows one example each:" in out
+    assert "prompt: Q0? chosen (4 scored): ⟦yes<eos>⟧ rejected (3 scored): ⟦no<eos>⟧" in out
+
+
 def test_preview_of_a_token_stream_says_there_are_no_examples(tmp_path):
     result = CliRunner().invoke(app, ["data", "preview", "--set", "data.source=corpus"])
     assert result.exit_code == 2 and "no examples to preview" in result.output
