@@ -13,6 +13,12 @@ The batch contract (what forward(batch) receives, moved to the device):
   the dict also has "position_ids" [micro, seq_len], restarting at 0 where each example starts:
   the model must attend within each example only. Each example's first label is -100, so no
   example is predicted from the one before it; a row's loss is then its examples' losses summed.
+- Format "preference" (train.objective dpo, simpo, orpo, kto, reward): {"input_ids", "labels",
+  "position_ids", "example_ids", "desirable"} and, for pairs, "margin" (dstrain.data.preference):
+  whole pairs packed into rows (or one example a row, chosen rows first), example_ids the segment of
+  each token (chosen completion p of the batch's P pairs: p, its rejected one: P + p; KTO example k: k;
+  -1 on padding), desirable per segment, margin per pair. A micro batch counts rows when packed, pairs
+  (two rows each) or KTO examples when not.
 - An entry-point Dataset: whatever default_collate makes of its items.
 The built-in GPT accepts both of the first two.
 """
@@ -80,12 +86,17 @@ def _check_rows(config: RunConfig, data: DataConfig) -> list[str]:
                                f"{config.model.vocab_size}", "model.vocab_size",
                                f"set model.vocab_size to at least {encoded.max_id() + 1} (the tokenizer's vocabulary)")
     stats, warnings = encoded.stats, []
-    if stats.get("truncated"):
+    pairs = encoded.groups is not None
+    if stats.get("truncated") and pairs:
+        warnings.append(f"{stats['truncated']} completions are cut so that each pair fits one row of data.seq_len="
+                        f"{data.seq_len} (the longest pair: {stats['longest']} tokens)")
+    elif stats.get("truncated"):
         warnings.append(f"{stats['truncated']} of {stats['rows']} examples are longer than data.seq_len="
                         f"{data.seq_len} (the longest: {stats['longest']} tokens) and are cut to it")
     if stats.get("dropped"):
-        warnings.append(f"{stats['dropped']} examples have no response or assistant token left within data.seq_len "
-                        "and are left out")
+        what = "rows have a completion" if pairs else "examples have no response or assistant token"
+        warnings.append(f"{stats['dropped']} {what} with no token left within data.seq_len and are left out"
+                        if pairs else f"{stats['dropped']} {what} left within data.seq_len and are left out")
     from dstrain.data.templates import check_markers, uses_template
     if data.chat_template is not None and not uses_template(data):
         warnings.append(f"data.chat_template is ignored by format {data.format!r} (it renders chat, sharegpt and "
