@@ -179,6 +179,9 @@ def test_packed_pairs_give_the_unpacked_log_probs_through_a_random_gpt(tmp_path)
     packed = PreferenceSampler(encoded, train, seq_len, 7, paired=True, packed=True)
     padded = PreferenceSampler(encoded, train, seq_len, 7, paired=True, packed=False)
     pairs = len(train) - 1
+    split_tokens = int(encoded.offsets[train[-1]] - encoded.offsets[train[0]])
+    assert packed.layout.unit_lengths.sum() == split_tokens  # the held-out pairs counted in no row
+    assert packed.real_tokens(0, packed.size) == split_tokens
     # every pair sits whole in exactly one row
     seen = sorted(u for row in range(packed.size) for u in packed.layout.row_units(row).tolist())
     assert seen == list(range(pairs))

@@ -126,6 +126,12 @@ def unit_offsets(encoded: Encoded, groups: np.ndarray, paired: bool) -> np.ndarr
     return groups if paired else np.arange(groups[0], groups[-1] + 1, dtype=np.int64)
 
 
+def unit_lengths(offsets: np.ndarray, units: np.ndarray) -> np.ndarray:
+    """Tokens of each unit: units[u]:units[u + 1] are offsets' example indices (examples by `offsets`)."""
+    offsets, units = np.asarray(offsets, dtype=np.int64), np.asarray(units, dtype=np.int64)
+    return offsets[units[1:]] - offsets[units[:-1]]
+
+
 class PreferenceRows:
     """Units laid out in rows, as numpy arrays (the sampler in dstrain/data/sampler.py wraps them in
     tensors). `packed`: rows of seq_len holding whole units (pack_rows, seeded); else one example a row.
@@ -135,9 +141,7 @@ class PreferenceRows:
         self.encoded, self.units = encoded, np.asarray(units, dtype=np.int64)
         self.seq_len, self.paired, self.packed = seq_len, paired, packed
         offsets = np.asarray(encoded.offsets, dtype=np.int64)
-        self.example_lengths = np.diff(offsets)
-        self.unit_lengths = np.add.reduceat(self.example_lengths, self.units[:-1]) if len(self.units) > 1 \
-            else np.zeros(0, dtype=np.int64)
+        self.unit_lengths = unit_lengths(offsets, self.units)
         if packed:
             self.items, self.row_offsets = pack_rows(self.unit_lengths, seq_len, seed)
         self.count = len(self.units) - 1  # units in this split

@@ -89,14 +89,14 @@ def _preview_pairs(config: RunConfig, encoded, train, count: int, console: Conso
     from dstrain.config.preference import PAIRED_OBJECTIVES
     from dstrain.data import data_config
     from dstrain.data.formats import load_encoder
-    from dstrain.data.preference import PreferenceRows, unit_offsets
+    from dstrain.data.preference import PreferenceRows, unit_lengths, unit_offsets
     from dstrain.models.packing import decide_packing
 
     data, stats = data_config(config), encoded.stats
     objective = config.train.objective
     paired = objective in PAIRED_OBJECTIVES
     groups = len(encoded.groups) - 1
-    group_lengths = np.add.reduceat(np.diff(np.asarray(encoded.offsets, dtype=np.int64)), encoded.groups[:-1])
+    group_lengths = unit_lengths(encoded.offsets, encoded.groups)
     console.print(f"data: {data.source} {', '.join(data.paths)}; format preference, objective {objective}, tokenizer "
                   f"{data.tokenizer}, seq_len {data.seq_len}", soft_wrap=True)
     console.print(f"  rows read        {stats['rows']:,}")
