@@ -30,6 +30,7 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def data_config(tmp_path: Path, rows: list, **data):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     settings = {"source": "jsonl", "paths": [str(path)], "format": "preference", "seq_len": 256,
@@ -222,3 +223,26 @@ def test_kto_units_are_single_examples_with_their_labels(tmp_path):
     labels = [bool(encoded.desirable[e]) for e in range(8)]
     assert sorted(batch["desirable"].tolist()) == sorted(labels) and "margin" not in batch
     assert batch["example_ids"][:, 0].tolist() == list(range(8))
+
+
+def test_packed_kto_examples_and_pair_margins_follow_their_segments(tmp_path):
+    rows = [{"prompt": "q", "completion": "good", "label": True}, {"prompt": "q", "completion": "bad", "label": False}] * 4
+    encoded, data = encode(tmp_path, rows, seq_len=32, eval_fraction=0.25)
+    train, _ = split_encoded(encoded, data)
+    sampler = PreferenceSampler(encoded, train, 32, 3, paired=False, packed=True)
+    batch = sampler.batch(0, sampler.size)
+    count = len(batch["desirable"])
+    assert count == 6 and sorted(batch["example_ids"].unique().tolist()) == list(range(-1, count))
+    for segment in range(count):  # "good" completions are the desirable ones
+        tokens = batch["input_ids"][batch["example_ids"] == segment]
+        assert (b"good" in bytes(tokens.tolist())) == bool(batch["desirable"][segment])
+    pairs = [{"prompt": "p", "chosen": "c" * (i + 1), "rejected": "r", "margin": float(i)} for i in range(6)]
+    encoded, data = encode(tmp_path / "pairs", pairs, seq_len=32, eval_fraction=0.2)
+    train, _ = split_encoded(encoded, data)
+    sampler = PreferenceSampler(encoded, train, 32, 3, paired=True, packed=True)
+    assert sampler.size == 1  # the 4 training pairs fill one row: a batch of 2 rows holds every pair twice
+    batch = sampler.batch(0, 2)
+    assert len(batch["margin"]) == 8 and sorted(batch["example_ids"].unique().tolist()) == list(range(-1, 16))
+    for pair, margin in enumerate(batch["margin"].tolist()):  # margin i goes with a chosen of i + 1 c's
+        chosen = bytes(batch["input_ids"][batch["example_ids"] == pair].tolist())
+        assert chosen.count(b"c") == margin + 1

@@ -164,37 +164,42 @@ class PreferenceRows:
         prompt, on each example's first token and on padding), position_ids, example_ids (the segment of each
         token, -1 on padding), desirable (per segment) and, for pairs, margin (per pair; 0 where none)."""
         enc, offsets = self.encoded, self.encoded.offsets
-        units = [u for group in unit_groups for u in group]
-        examples = [list(range(int(self.units[u]), int(self.units[u + 1]))) for u in units]
-        if self.paired:  # chosen p -> segment p, rejected p -> P + p
-            segment = {pair[k]: k * len(units) + p for p, pair in enumerate(examples) for k in range(2)}
-        else:
-            segment = {example[0]: k for k, example in enumerate(examples)}
+        # occurrence j of the batch (a unit may come twice, in another epoch's order): its examples and the
+        # segment of each; pairs: chosen j -> j, rejected j -> P + j
+        occurrences = [u for group in unit_groups for u in group]
+        count = len(occurrences)
+        placed = []  # (segment, example) per example of the batch, in row order when packed
+        for j, unit in enumerate(occurrences):
+            for k, example in enumerate(range(int(self.units[unit]), int(self.units[unit + 1]))):
+                placed.append((k * count + j if self.paired else j, example))
+        by_segment = sorted(placed)
         if self.packed:
-            row_examples = [[e for u in group for e in range(int(self.units[u]), int(self.units[u + 1]))]
-                            for group in unit_groups]
-        else:  # one example a row, in segment order
-            row_examples = [[e] for e in sorted(segment, key=segment.get)]
-        shape = (len(row_examples), self.seq_len)
+            rows, at = [], 0
+            for group in unit_groups:
+                size = sum(int(self.units[u + 1] - self.units[u]) for u in group)
+                rows.append(placed[at:at + size])
+                at += size
+        else:  # one example a row, in segment order (chosen rows first)
+            rows = [[item] for item in by_segment]
+        shape = (len(rows), self.seq_len)
         input_ids = np.full(shape, enc.pad_id, dtype=np.int64)
         labels = np.full(shape, IGNORE, dtype=np.int64)
         positions = np.empty(shape, dtype=np.int64)
         example_ids = np.full(shape, -1, dtype=np.int64)
-        for row, row_items in enumerate(row_examples):
+        for row, items in enumerate(rows):
             at = 0
-            for example in row_items:
+            for segment, example in items:
                 start, stop = int(offsets[example]), int(offsets[example + 1])
                 end = at + stop - start
                 input_ids[row, at:end] = enc.ids[start:stop]
                 labels[row, at + 1:end] = enc.labels[start + 1:stop]  # the first token is never predicted
                 positions[row, at:] = np.arange(self.seq_len - at)  # padding continues the last example
-                example_ids[row, at:end] = segment[example]
+                example_ids[row, at:end] = segment
                 at = end
-        order = sorted(segment, key=segment.get)
         arrays = {"input_ids": input_ids, "labels": labels, "position_ids": positions, "example_ids": example_ids,
-                  "desirable": np.asarray([bool(enc.desirable[e]) for e in order])}
+                  "desirable": np.asarray([bool(enc.desirable[example]) for _, example in by_segment])}
         if self.paired:
-            group_of = np.searchsorted(np.asarray(enc.groups), [pair[0] for pair in examples])
-            margins = np.asarray(enc.margins, dtype=np.float32)[group_of]
-            arrays["margin"] = np.nan_to_num(margins, nan=0.0)
+            chosen = [int(self.units[unit]) for unit in occurrences]
+            group_of = np.searchsorted(np.asarray(enc.groups), chosen)
+            arrays["margin"] = np.nan_to_num(np.asarray(enc.margins, dtype=np.float32)[group_of], nan=0.0)
         return arrays
