@@ -194,7 +194,7 @@ def test_packed_pairs_give_the_unpacked_log_probs_through_a_random_gpt(tmp_path)
         for param in model.parameters():
             param.normal_(0, 0.2)
         batch = packed.batch(0, 3)  # three packed rows
-        units = [u for row in packed._units(0, 3) for u in row]
+        units = [u for row in packed.units_of(0, 3) for u in row]
         pair_count = len(units)
         assert batch["desirable"].tolist() == [True] * pair_count + [False] * pair_count
         got = segment_sums(model, batch, packed=True)
@@ -246,3 +246,18 @@ def test_packed_kto_examples_and_pair_margins_follow_their_segments(tmp_path):
     for pair, margin in enumerate(batch["margin"].tolist()):  # margin i goes with a chosen of i + 1 c's
         chosen = bytes(batch["input_ids"][batch["example_ids"] == pair].tolist())
         assert chosen.count(b"c") == margin + 1
+
+
+@pytest.mark.parametrize("objective, packing", [("dpo", True), ("dpo", False), ("kto", True)])
+def test_build_samplers_gives_preference_batches_for_the_objective(tmp_path, objective, packing):
+    from dstrain.data import build_samplers
+    data = data_config(tmp_path, random_pairs(20, 1), seq_len=48, packing=packing)
+    config = RunConfig.model_validate({"data": data.model_dump(), "train": {"objective": objective}})
+    train, held_out = build_samplers(config)
+    assert isinstance(train, PreferenceSampler) and train.paired == (objective == "dpo") and train.packed == packing
+    assert len(train.lengths) == (19 if objective == "dpo" else 38)  # units: pairs, or KTO examples
+    batch = train.batch(0, 2)
+    segments = len(batch["desirable"])
+    if not packing:
+        assert segments == 4 and batch["input_ids"].shape[0] == 4  # 2 pairs: one row per completion
+    assert set(batch["example_ids"].unique().tolist()) - {-1} == set(range(segments))

@@ -270,6 +270,7 @@ class PreferenceSampler:
         from dstrain.data.preference import PreferenceRows, unit_offsets
         self.layout = PreferenceRows(encoded, unit_offsets(encoded, groups, paired), seq_len, seed, paired, packed)
         self.packed, self.paired, self.seq_len = packed, paired, seq_len
+        self.lengths = self.layout.unit_lengths  # tokens per unit (pair or KTO example), as ExampleSampler's
         self.size = self.layout.rows() if packed else self.layout.count
         assert self.size > 0, "the split guarantees at least one pair"
         self.order = SeededOrder(self.size, seed)
@@ -278,18 +279,18 @@ class PreferenceSampler:
     def efficiency(self) -> float:
         return self.layout.efficiency()
 
-    def _units(self, first: int, count: int) -> list[list[int]]:
+    def units_of(self, first: int, count: int) -> list[list[int]]:
         """Per packed row its units; padded, one list of the samples' units."""
         if self.packed:
             return [self.layout.row_units(self.order.item(s)).tolist() for s in range(first, first + count)]
         return [[self.order.item(s) for s in range(first, first + count)]]
 
     def real_tokens(self, first: int, count: int) -> int:
-        return int(sum(self.layout.unit_lengths[u] for group in self._units(first, count) for u in group))
+        return int(sum(self.layout.unit_lengths[u] for group in self.units_of(first, count) for u in group))
 
     def examples(self, first: int, count: int) -> int:
-        return sum(len(group) for group in self._units(first, count))
+        return sum(len(group) for group in self.units_of(first, count))
 
     def batch(self, first_sample: int, count: int) -> dict[str, torch.Tensor]:
-        arrays = self.layout.layout(self._units(first_sample, count))
+        arrays = self.layout.layout(self.units_of(first_sample, count))
         return {name: torch.from_numpy(value) for name, value in arrays.items()}
