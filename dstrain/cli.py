@@ -53,8 +53,8 @@ def handles_user_errors(func: Callable) -> Callable:
         try:
             return func(*args, **kwargs)
         except UserError as err:
-            from rich.markup import escape  # the message quotes user text: '[/x]' must not be read as markup
-            _stderr().print(f"[bold red]error:[/] {escape(str(err))}", markup=True, soft_wrap=True)
+            from dstrain.console_text import outside  # the message quotes user text: '[/x]' is no markup
+            _stderr().print(f"[bold red]error:[/] {outside(err)}", markup=True, soft_wrap=True)
             raise typer.Exit(EXIT_BAD_INPUT)
     return wrapper
 
@@ -203,9 +203,10 @@ def estimate_cmd(
         report["notes"] = plan.notes
         sys.stdout.write(jsonlib.dumps(report, indent=2) + "\n")
         return
+    from dstrain.console_text import outside
     console = Console(highlight=False)
     for note in plan.notes:
-        console.print(f"[dim]{note}[/]")
+        console.print(f"[dim]{outside(note)}[/]")
     E.render(plan.estimates, plan.recommended, plan.reason, plan.hardware, plan.workload, console)
 
 
@@ -239,6 +240,7 @@ def convert_cmd(
       dstrain convert-checkpoint runs/x/checkpoints out/llama-adapter --format peft
     """
     from rich.console import Console
+    from dstrain.console_text import outside  # the summaries name the user's paths and tags
     from dstrain.tools import convert
     console = Console(highlight=False)
     if output_format not in ("file", "hf", "peft"):
@@ -246,21 +248,21 @@ def convert_cmd(
     if output_format == "peft":
         from dstrain.tools.convert.peft_folder import export_peft_folder
         export = export_peft_folder(checkpoint_dir, output, tag=tag, dtype=dtype, force=force, source=hf_source)
-        console.print(export.summary(), soft_wrap=True)
+        console.print(outside(export.summary()), soft_wrap=True)
         return
     if output_format == "hf":
         from dstrain.tools.convert.hf_folder import export_hf_folder
         export = export_hf_folder(checkpoint_dir, output, tag=tag, dtype=dtype, max_shard_size=max_shard_size,
                                   force=force, source=hf_source)
-        console.print(export.summary(), soft_wrap=True)
+        console.print(outside(export.summary()), soft_wrap=True)
         return
     if to_universal:
         path = convert.to_universal(checkpoint_dir, output, tag=tag, force=force)
-        console.print(f"universal checkpoint written to {path}")
+        console.print(f"universal checkpoint written to {outside(path)}")
         return
     report = convert.convert_checkpoint(checkpoint_dir, output, tag=tag, dtype=dtype,
                                         max_shard_size=max_shard_size, force=force)
-    console.print(report.summary(), soft_wrap=True)
+    console.print(outside(report.summary()), soft_wrap=True)
 
 
 @app.command("generate")

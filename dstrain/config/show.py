@@ -7,20 +7,20 @@ import sys
 
 import yaml
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from dstrain.config import presets as preset_files
 from dstrain.config.layers import flatten
 from dstrain.config.resolve import ResolvedConfig, redact
+from dstrain.console_text import outside
 
 
 def presets(name: str | None) -> None:
     console = Console(highlight=False)
     if name:
         path = preset_files.preset_path(name)
-        console.print(f"[dim]{escape(str(path))}[/]")
+        console.print(f"[dim]{outside(path)}[/]")
         sys.stdout.write(path.read_text())
         return
     table = Table(title="dstrain presets (fastest first; each step down saves memory)", title_justify="left")
@@ -35,7 +35,7 @@ def presets(name: str | None) -> None:
 def resolved_config(resolved: ResolvedConfig, *, explain: bool, deepspeed_json: bool) -> None:
     err = Console(stderr=True, highlight=False)
     for warning in resolved.warnings:
-        err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+        err.print(f"[yellow]warning:[/] {outside(warning)}", soft_wrap=True)
     if deepspeed_json:
         sys.stdout.write(json.dumps(redact(resolved.ds_config), indent=2) + "\n")
         return

@@ -20,6 +20,7 @@ import yaml
 from rich.console import Console
 
 from dstrain.checkpoints import CompleteCheckpoint, find_resume
+from dstrain.console_text import outside
 from dstrain.errors import UserError
 from dstrain.hardware import cuda_gpu_count, resolve_accelerator
 from dstrain.launcher.options import LaunchOptions
@@ -47,9 +48,10 @@ def evaluate_run(run_dir: Path, resume: str, accelerator: str, verbose: bool) ->
     saved = LaunchInfo.read(run_dir)
     acc = _check_target(run_dir, resume, found, saved, accelerator)
     for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {outside(note)}")
     if acc != saved.accelerator:
-        console.print(f"[yellow]note:[/] the run trained with accelerator {saved.accelerator}; evaluating on {acc}")
+        console.print(f"[yellow]note:[/] the run trained with accelerator {outside(saved.accelerator)}; "
+                      f"evaluating on {acc}")
 
     eval_dir = run_dir / EVAL_DIR
     eval_dir.mkdir(exist_ok=True)
@@ -57,7 +59,7 @@ def evaluate_run(run_dir: Path, resume: str, accelerator: str, verbose: bool) ->
     lock = acquire(eval_dir, f"--run-dir {run_dir} (its {EVAL_DIR}/ folder, used by `dstrain eval`)")
     try:
         if lock.note:
-            console.print(f"[yellow]note:[/] {lock.note}", soft_wrap=True)
+            console.print(f"[yellow]note:[/] {outside(lock.note)}", soft_wrap=True)
         return _launch_eval(run_dir, eval_dir, found, saved, acc, verbose, console)
     finally:
         lock.release()
@@ -68,7 +70,8 @@ def _launch_eval(run_dir: Path, eval_dir: Path, found: CompleteCheckpoint, saved
     world = found.world_size
     _write_eval_dir(run_dir, eval_dir, found, saved, acc, verbose)
     train = yaml.safe_load((run_dir / CONFIG).read_text())["train"]
-    console.print(f"evaluating {found.tag} (step {found.step}) of {run_dir}: preset {saved.preset or '(none)'}, "
+    console.print(f"evaluating {outside(found.tag)} (step {found.step}) of {outside(run_dir)}: "
+                  f"preset {outside(saved.preset or '(none)')}, "
                   f"{world} ranks on {acc}, " + (f"up to {train['eval_batches']} x {train['global_batch_size']} held-out "
                                                   "samples" if train.get("eval_batches") else "the held-out split") +
                   ", each once",
@@ -79,7 +82,7 @@ def _launch_eval(run_dir: Path, eval_dir: Path, found: CompleteCheckpoint, saved
     code = supervise(command, rank_env(acc, world), eval_dir, verbose, console,
                      hang_timeout_s=saved.hang_timeout_s)
     if code == 0 and not (run_dir / RESULT).is_file():
-        console.print(f"[bold red]evaluation failed[/]: the ranks ended without writing {run_dir / RESULT}")
+        console.print(f"[bold red]evaluation failed[/]: the ranks ended without writing {outside(run_dir / RESULT)}")
         return 1
     return code
 

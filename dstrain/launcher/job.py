@@ -20,6 +20,7 @@ from dstrain import __version__
 from dstrain.checkpoints import find_resume, find_resume_auto
 from dstrain.config.preference import NOT_TRAINED_YET, TRAINED_OBJECTIVES
 from dstrain.config.resolve import ResolvedConfig, resolve
+from dstrain.console_text import outside
 from dstrain.errors import UserError
 from dstrain.hangs import hang_timeout_s
 from dstrain.hardware import resolve_accelerator
@@ -54,7 +55,7 @@ def launch(o: LaunchOptions) -> int:
                        strict=o.strict)
     if frozen:
         console.print(f"[yellow]note:[/] --resume without --config or --preset: the run directory's own config "
-                      f"{frozen} is used (--set still overrides it)", soft_wrap=True)
+                      f"{outside(frozen)} is used (--set still overrides it)", soft_wrap=True)
         _restore_secrets(resolved, frozen.parent)
     objective = resolved.config.train.objective
     if not o.dry_run and objective not in TRAINED_OBJECTIVES:  # else its batches would train as next-token prediction
@@ -89,14 +90,14 @@ def _check_and_start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig
         holder = current_holder(Path(run_dir))
         if holder is not None:
             warn(f"the run directory belongs to a running job ({holder.describe()}): this run would be refused")
-        console.print(f"run directory: {run_dir} (not written: --dry-run)")
-        console.print("would run: " + shlex.join(command), soft_wrap=True)
+        console.print(f"run directory: {outside(run_dir)} (not written: --dry-run)")
+        console.print("would run: " + outside(shlex.join(command)), soft_wrap=True)
         return 0
 
     lock = prepare_run_dir(run_dir, resuming=resume_info is not None, job=_job_id(o, shape, port))
     try:
         if lock.note:
-            console.print(f"[yellow]note:[/] {lock.note}", soft_wrap=True)
+            console.print(f"[yellow]note:[/] {outside(lock.note)}", soft_wrap=True)
         return _start(o, shape, resolved, accelerator, run_dir, resume_info, command, early, console)
     finally:
         lock.release()
@@ -115,7 +116,7 @@ def _start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelera
                              hang_timeout_s=hang_timeout_s(resolved.config.train.hang_timeout_s, accelerator))
     write_run_dir(run_dir, resolved, launch_info, shape.own_ranks)
     _save_model_source(resolved, run_dir)
-    console.print(f"run directory: {run_dir}")
+    console.print(f"run directory: {outside(run_dir)}")
     started = time.time()
     # Ranks started early have their environment already (rank_env prints its notes once).
     env = rank_env(accelerator, max(shape.active.values())) if early is None else {}
@@ -144,15 +145,15 @@ def _print_summary(run_dir: Path, started: float, accelerator: str, console: Con
         return
     summary = summarize(run_dir, records)
     for line in summary_lines(summary, time.time() - started):
-        console.print(line, soft_wrap=True)
+        console.print(outside(line), soft_wrap=True)
     console.print("next:")
     for command in next_commands(summary, accelerator):
-        console.print(f"  {command}", soft_wrap=True)
+        console.print(f"  {outside(command)}", soft_wrap=True)
 
 
 def warn(text: str) -> None:
     """Warnings go to stderr, so `dstrain run ... > plan.txt` keeps the plan and shows the warnings."""
-    Console(stderr=True, highlight=False).print(f"[yellow]warning:[/] {text}", soft_wrap=True)
+    Console(stderr=True, highlight=False).print(f"[yellow]warning:[/] {outside(text)}", soft_wrap=True)
 
 
 def _job_id(o: LaunchOptions, shape: JobShape, port: int) -> str | None:
@@ -203,7 +204,7 @@ def _preset(o: LaunchOptions, shape: JobShape, accelerator: str, console: Consol
         return o.preset, o.sets
     from dstrain.tools.estimate.planner import choose_preset
     preset, reason, degree = choose_preset(o.config_file, o.sets, shape.ranks, shape.nodes, accelerator)
-    console.print(f"--preset auto: {preset} ({reason})")
+    console.print(f"--preset auto: {outside(preset)} ({outside(reason)})")
     return preset, [*o.sets, f"train.sequence_parallel={degree}"] if degree > 1 else o.sets
 
 
@@ -240,8 +241,9 @@ def _print_plan(resolved: ResolvedConfig, world: int, accelerator: str, params: 
                 resume_info: ResumeTarget | None, console: Console) -> None:
     from dstrain.config.show import plan_lines
     for line in plan_lines(resolved.config, resolved.ds_config, world, accelerator, resolved.preset, *params):
-        console.print(line, soft_wrap=True)
+        console.print(outside(line), soft_wrap=True)  # the plan quotes the model name
     for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {outside(note)}")
     if resume_info:
-        console.print(f"resume: {resume_info.tag} (step {resume_info.step}) from {resume_info.directory}")
+        console.print(f"resume: {outside(resume_info.tag)} (step {resume_info.step}) from "
+                      f"{outside(resume_info.directory)}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from dstrain.config.resolve import ResolvedConfig
+from dstrain.console_text import outside
 from dstrain.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -342,11 +343,12 @@ def clear_stale_build_locks(console: Console, dry_run: bool) -> None:
     from dstrain.launcher.env_fixes import stale_extension_locks
     for lock in stale_extension_locks():
         if dry_run:
-            console.print(f"[yellow]note:[/] stale op build lock {lock} (left by a killed build); a run removes it")
+            console.print(f"[yellow]note:[/] stale op build lock {outside(lock)} (left by a killed build); "
+                          "a run removes it")
             continue
         try:
             lock.unlink(missing_ok=True)
         except OSError as err:
             raise UserError.single(f"stale op build lock {lock} cannot be removed ({err}): the ranks would wait "
                                    "on it forever", "TORCH_EXTENSIONS_DIR", f"rm {shlex.quote(str(lock))}")
-        console.print(f"[yellow]note:[/] removed stale op build lock {lock} (left by a killed build)")
+        console.print(f"[yellow]note:[/] removed stale op build lock {outside(lock)} (left by a killed build)")

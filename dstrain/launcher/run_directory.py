@@ -16,6 +16,7 @@ from rich.console import Console
 from dstrain.checkpoints import check_tag, tag_dirs
 from dstrain.config.layers import flatten
 from dstrain.config.resolve import ResolvedConfig, redact
+from dstrain.console_text import outside
 from dstrain.errors import UserError
 from dstrain.launcher.ownership import RunDirLock, acquire
 from dstrain.rundir import CHECKPOINTS, CONFIG, DS_CONFIG, HEALTH, RANKS, SECRETS, LaunchInfo, write_atomic
@@ -88,6 +89,6 @@ def universal_copy(checkpoints: Path, tag: str, run_dir: Path) -> Path:
     from dstrain.tools.convert import to_universal
     target = (run_dir / "universal").resolve()
     if not (target / tag).is_dir():
-        Console(highlight=False).print(f"converting {tag} to a universal checkpoint in {target} ...")
+        Console(highlight=False).print(f"converting {outside(tag)} to a universal checkpoint in {outside(target)} ...")
         to_universal(checkpoints, target, tag=tag)
     return target

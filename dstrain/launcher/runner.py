@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dstrain.console_text import outside
 from dstrain.launcher.options import LaunchOptions
 from dstrain.launcher.topology import MPI_LAUNCHERS, JobShape
 
@@ -102,7 +103,7 @@ def rank_env(accelerator: str, ranks: int) -> dict[str, str]:
     from dstrain.op_cache import use_private_op_cache
     env, note = sanitize_cuda_arch_list(os.environ)
     if note:
-        Console(stderr=True).print(f"[yellow]note:[/] {note}")
+        Console(stderr=True).print(f"[yellow]note:[/] {outside(note)}")  # quotes TORCH_CUDA_ARCH_LIST
     use_private_op_cache(env, accelerator)
     env["DS_ACCELERATOR"] = accelerator
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dstrain.console_text import outside
 from dstrain.launcher.failures import failure_report
 from dstrain.launcher.watchdog import Watchdog
 from dstrain.rundir import GAVE_UP, RANKS
@@ -180,8 +181,8 @@ def _job_exit_code(code: int, signum: int | None, saves: bool, run_dir: Path, al
         return GAVE_UP_EXIT
     if code != 0:
         console.print(f"[bold red]training failed[/] (launcher exit code {code})")
-        for line in failure_report(run_dir, alive):
-            console.print(f"[red]{line}[/]")
+        for line in failure_report(run_dir, alive):  # the rank's exception and the run directory's path
+            console.print(f"[red]{outside(line)}[/]")
         return code if code > 0 else 1
     return 0
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
-from rich.markup import escape
 
 from dstrain.checkpoints import LATEST
+from dstrain.console_text import outside
 from dstrain.hangs import Beat, Verdict, judge, read_beats, stack_file
 from dstrain.rundir import CHECKPOINTS
 
@@ -87,25 +87,27 @@ def _read_from(path: Path, offset: int) -> str:
 
 
 def report(verdict: Verdict, stack: str | None, run_dir: Path) -> list[str]:
-    """The lines the user sees: who is stuck where, who waits, the stack, what happens next."""
+    """The lines the user sees: who is stuck where, who waits, the stack, what happens next (markup: the
+    host names, paths and stack are escaped)."""
     stuck = verdict.stuck
     lines = [f"[bold red]hang:[/] rank {stuck.rank} made no progress for {verdict.idle_s:.0f} s "
              f"(limit {verdict.allowance_s:.0f} s, train.hang_timeout_s) in phase {stuck.phase}{_of_step(stuck)} "
-             f"(pid {stuck.pid} on {stuck.host})"]
+             f"(pid {stuck.pid} on {outside(stuck.host)})"]
     for other in verdict.waiting:
         lines.append(f"  rank {other.rank}: in phase {other.phase}{_of_step(other)} for "
                      f"{time.time() - other.since:.0f} s (probably waiting for rank {stuck.rank})")
     if stack and stack.strip():
         lines.append(f"rank {stuck.rank}'s Python stack (most recent call first; every rank's in "
-                     f"{run_dir / 'ranks'}/rank*.stack):")
-        lines += [escape("  " + line) for line in stack.rstrip().splitlines()]
+                     f"{outside(run_dir / 'ranks')}/rank*.stack):")
+        lines += [outside("  " + line) for line in stack.rstrip().splitlines()]
     elif stuck.host != socket.gethostname():
-        lines.append(f"rank {stuck.rank} runs on {stuck.host}: its stack is in {stack_file(run_dir, stuck.rank)} "
+        lines.append(f"rank {stuck.rank} runs on {outside(stuck.host)}: its stack is in "
+                     f"{outside(stack_file(run_dir, stuck.rank))} "
                      "once that node's `dstrain run` asks for it")
     else:
-        lines.append(f"rank {stuck.rank} wrote no stack (to {stack_file(run_dir, stuck.rank)})")
+        lines.append(f"rank {stuck.rank} wrote no stack (to {outside(stack_file(run_dir, stuck.rank))})")
     latest = _latest(run_dir)
-    lines.append("ending the job; " + (f"the last complete checkpoint {latest} stays `latest` (continue with "
+    lines.append("ending the job; " + (f"the last complete checkpoint {outside(latest)} stays `latest` (continue with "
                                        "--resume latest)" if latest else "no checkpoint was saved"))
     return lines
 

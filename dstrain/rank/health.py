@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dstrain.checkpoints import CompleteCheckpoint, complete_checkpoints
+from dstrain.console_text import outside
 from dstrain.rank.checkpointing import load
 from dstrain.rundir import CHECKPOINTS, GAVE_UP, HEALTH, write_atomic
 
@@ -236,6 +237,6 @@ class Guard:
         self.metrics.log_event("gave_up", at_step, bad_step=verdict.step, reason=verdict.reason,
                                samples=[samples.start, samples.stop], rollbacks=len(self.state.rollbacks))
         if self.rank == 0:
-            self.metrics.console.print("\n".join(lines), soft_wrap=True, markup=False)
+            self.metrics.console.print(outside("\n".join(lines)), soft_wrap=True)
         raise RunUnhealthy("\n".join(lines), f"{GAVE_UP} at step {at_step}: {verdict.reason} at step "
                                              f"{verdict.step} (global samples {describe(samples)})")

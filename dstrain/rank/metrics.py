@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dstrain import rundir
+from dstrain.console_text import outside
 from dstrain.hardware import dense_bf16_peak_tflops
 
 
@@ -214,7 +215,8 @@ class MetricsLog:
 
     def note(self, text: str) -> None:
         if self.enabled:
-            (self.progress.console if self.progress else self.console).print(f"[dim]{text}[/]")
+            # plain text that may quote names (checkpoints, profiled kernels): printed as written
+            (self.progress.console if self.progress else self.console).print(f"[dim]{outside(text)}[/]")
 
     def finish(self, state, saved_checkpoint: bool = True) -> None:
         if not self.enabled:

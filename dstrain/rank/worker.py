@@ -154,6 +154,7 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: rundir.LaunchInfo
     """Build the engine, restore the checkpoint to resume, train, export."""
     import torch.distributed as dist
 
+    from dstrain.console_text import outside
     from dstrain.data import build_samplers
     from dstrain.hangs import collective_timeout_s
     from dstrain.models import flops_per_token
@@ -195,9 +196,9 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: rundir.LaunchInfo
                                   f"packing efficiency {facts['packing_efficiency']:.1%} (real tokens / row tokens)",
                                   soft_wrap=True)
         if resume:
-            metrics.console.print(f"resumed from {resume.tag} at step {start_step}")
-        if compiled:
-            metrics.console.print(compiled, soft_wrap=True)
+            metrics.console.print(f"resumed from {outside(resume.tag)} at step {start_step}")
+        if compiled:  # names the model's block class
+            metrics.console.print(outside(compiled), soft_wrap=True)
         now = time.perf_counter()
         gate = f", {_waited_at_gate_s:.1f} s of them waiting for dstrain run's checks" if _waited_at_gate_s >= 0.05 else ""
         metrics.console.print(f"[dim]ready in {now - started:.1f} s (data {data_ready - started:.1f} s, model and "

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from rich import box
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from dstrain.checkpoints import COMPLETE_MARK, HASH, LATEST, TagCheck, check_tag, listed_files, tag_dirs
+from dstrain.console_text import outside
 from dstrain.errors import EXIT_BAD_INPUT, UserError
 from dstrain.rundir import CHECKPOINTS
 
@@ -31,7 +31,7 @@ def verify_checkpoints(target: Path, hashes: bool = True, console: Console | Non
     for check in checks:
         if check.found is not None:
             for name, problem in check.damaged.items():
-                console.print(f"[red]damaged:[/] {escape(str(check.tag_dir / name))} {escape(problem)}", soft_wrap=True)
+                console.print(f"[red]damaged:[/] {outside(check.tag_dir / name)} {outside(problem)}", soft_wrap=True)
     if directory is None:
         return _single_verdict(checks[0], console)
     return _directory_verdict(checks, directory, console)
@@ -44,15 +44,15 @@ def _directory_verdict(checks: list[TagCheck], directory: Path, console: Console
         latest = directory / LATEST
         named = latest.read_text().strip() if latest.is_file() else None
         newest = max(intact, key=lambda c: (c.found.mark["time"], c.found.step)).tag_dir.name
-        aside = f" ('latest' names {named})" if named and named != newest else ""
-        console.print(f"newest intact tag: {newest}{aside}")
+        aside = f" ('latest' names {outside(named)})" if named and named != newest else ""
+        console.print(f"newest intact tag: {outside(newest)}{aside}")
     if damaged:
         console.print(f"[bold red]not intact:[/] {len(damaged)} damaged, {len(intact)} intact tag(s) in "
-                      f"{escape(str(directory))}; resume from an intact tag (--resume latest skips damaged ones) "
+                      f"{outside(directory)}; resume from an intact tag (--resume latest skips damaged ones) "
                       "and delete or restore the damaged ones from a copy", soft_wrap=True)
         return EXIT_BAD_INPUT
     if not intact:
-        console.print(f"[bold red]no intact checkpoint[/] in {escape(str(directory))}: no tag has a completion mark "
+        console.print(f"[bold red]no intact checkpoint[/] in {outside(directory)}: no tag has a completion mark "
                       "(saves interrupted, or not written by dstrain)", soft_wrap=True)
         return EXIT_BAD_INPUT
     return 0
@@ -62,12 +62,12 @@ def _single_verdict(check: TagCheck, console: Console) -> int:
     if check.intact:
         checked = {"presence": "files present; its mark, from an older dstrain, records no sizes",
                    "size": "sizes match; no hashes compared"}.get(_checked(check), "sizes and SHA-256 match")
-        console.print(f"{check.tag_dir}: intact ({checked}): safe to resume from or convert", soft_wrap=True)
+        console.print(f"{outside(check.tag_dir)}: intact ({checked}): safe to resume from or convert", soft_wrap=True)
         return 0
     others = [c.tag for c in _intact_siblings(check.tag_dir)]
-    where = f"intact tags beside it: {', '.join(others)}" if others else "no intact tag beside it"
+    where = f"intact tags beside it: {outside(', '.join(others))}" if others else "no intact tag beside it"
     verdict = "not safe to resume from or convert" if check.found else "cannot be verified"
-    console.print(f"[bold red]{escape(str(check.tag_dir))}: {verdict}:[/] {escape(check.damage_line())}; {where}",
+    console.print(f"[bold red]{outside(check.tag_dir)}: {verdict}:[/] {outside(check.damage_line())}; {where}",
                   soft_wrap=True)
     return EXIT_BAD_INPUT
 
@@ -92,7 +92,8 @@ def _tag_dirs_of(target: Path) -> tuple[Path | None, list[Path]]:
 
 
 def _table(checks: list[TagCheck], directory: Path | None) -> Table:
-    table = Table(title=f"checkpoints in {directory}" if directory else None, title_justify="left",
+    # A str title or cell is read as markup: the directory and the tags' names are escaped.
+    table = Table(title=f"checkpoints in {outside(directory)}" if directory else None, title_justify="left",
                   box=box.SIMPLE_HEAD)
     table.add_column("tag", no_wrap=True)
     for column in ("step", "files", "size"):
@@ -105,7 +106,7 @@ def _table(checks: list[TagCheck], directory: Path | None) -> Table:
 
 
 def _row(check: TagCheck) -> tuple[str, ...]:
-    name = check.tag_dir.name
+    name = outside(check.tag_dir.name)
     if check.found is None:
         return name, "", "", "", "", "[yellow]incomplete: no mark[/]"
     records = listed_files(check.found.mark)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.text import Text
 
 from dstrain.config.schema import RunConfig
+from dstrain.console_text import outside
 from dstrain.errors import UserError
 
 OPEN, CLOSE = "⟦", "⟧"  # around trained tokens: visible without colour (logs, pipes)
@@ -39,7 +40,7 @@ def preview(config: RunConfig, count: int, warnings: list[str], console: Console
                                "preview rows of jsonl, json, parquet or datasets files in format prompt_response, "
                                "chat, alpaca, sharegpt or preference")
     for warning in warnings + check_source(config):
-        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+        console.print(f"[yellow]warning:[/] {outside(warning)}", soft_wrap=True)
     encoded = load_encoded(data)
     train, held_out = split_encoded(encoded, data)
     if encoded.groups is not None:
@@ -48,8 +49,8 @@ def preview(config: RunConfig, count: int, warnings: list[str], console: Console
     train_lengths = np.diff(np.asarray(train, dtype=np.int64))
     stats, seq = encoded.stats, data.seq_len
 
-    console.print(f"data: {data.source} {', '.join(data.paths)}; format {data.format}, tokenizer {data.tokenizer}, "
-                  f"seq_len {seq}", soft_wrap=True)
+    console.print(outside(f"data: {data.source} {', '.join(data.paths)}; format {data.format}, tokenizer "
+                          f"{data.tokenizer}, seq_len {seq}"), soft_wrap=True)
     console.print(f"  rows read        {stats['rows']:,}")
     console.print(f"  examples kept    {len(lengths):,}: {len(train_lengths):,} to train on, {len(lengths) - len(train_lengths):,} "
                   f"held out (data.eval_fraction {data.eval_fraction:g})")
@@ -69,7 +70,7 @@ def preview(config: RunConfig, count: int, warnings: list[str], console: Console
                   f"tokens / row tokens) of the {len(train_lengths):,} training examples: "
                   f"{together if packed else padded}; {padded if packed else together} otherwise", soft_wrap=True)
     if note:
-        console.print(f"  [dim]{note}[/]", soft_wrap=True)
+        console.print(f"  [dim]{outside(note)}[/]", soft_wrap=True)
 
     shown = min(count, len(train_lengths))
     if shown:

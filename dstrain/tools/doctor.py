@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 import dstrain
+from dstrain.console_text import outside
 from dstrain.launcher.env_fixes import (ARCH_LIST_VAR, bytecode_cache_dir, sanitize_cuda_arch_list,
                                         stale_extension_locks, torch_package)
 from dstrain.op_cache import built_ops, op_cache, op_cache_key
@@ -571,9 +572,13 @@ def render(report: Report, console: Console) -> None:
     if "ops" in report:
         console.print(_ops_table(report["ops"]))
     if "op_cache" in report:
-        console.print(_op_cache_line(report["op_cache"]), soft_wrap=True)
+        console.print(outside(_op_cache_line(report["op_cache"])), soft_wrap=True)
     console.print(_offload_dir_table(report["nvme"]))
     _print_problems(report["problems"], console)
+
+
+# The tables' str cells are markup: what the report found (versions, paths, names, the environment's
+# values, error messages) goes in through outside(); the colours around it are dstrain's.
 
 
 def _environment_table(report: Report) -> Table:
@@ -582,25 +587,26 @@ def _environment_table(report: Report) -> Table:
     env.add_column(style="bold")
     env.add_column()
     for name in ("python", "torch", "deepspeed", "dstrain"):
-        env.add_row(name, str(versions[name] or "[red]missing[/]"))
+        env.add_row(name, outside(versions[name]) if versions[name] else "[red]missing[/]")
     if "cuda" in report:
         cuda = report["cuda"]
-        env.add_row("CUDA", f"torch built with {cuda['torch_built_with'] or 'none'}; "
-                            f"available: {_yes(cuda['available'])}; nvcc {cuda['nvcc_version'] or 'none'}")
+        env.add_row("CUDA", f"torch built with {outside(cuda['torch_built_with'] or 'none')}; "
+                            f"available: {_yes(cuda['available'])}; nvcc {outside(cuda['nvcc_version'] or 'none')}")
     if "accelerator" in report:
         accel = report["accelerator"]
-        env.add_row("DeepSpeed accelerator", f"{accel['name']} ({accel['communication_backend']})")
+        env.add_row("DeepSpeed accelerator", outside(f"{accel['name']} ({accel['communication_backend']})"))
     env.add_row("host RAM", f"{_gib(host['ram_available_bytes'])} available of {_gib(host['ram_total_bytes'])}")
     env.add_row("CPUs", f"{host['cpus_usable']} usable of {host['cpu_count']}")
     env.add_row("/dev/shm", _gib(host["shm_total_bytes"]))
     libaio = report["libaio"]
-    env.add_row("libaio", _yes(libaio["ok"]) + f" ({libaio['header'] or 'no header'}, "
-                f"{libaio['dev_library'] or 'no libaio.so'})")
+    env.add_row("libaio", _yes(libaio["ok"]) + outside(f" ({libaio['header'] or 'no header'}, "
+                                                       f"{libaio['dev_library'] or 'no libaio.so'})"))
     bytecode = report["bytecode"]
-    env.add_row("torch bytecode", f"none installed, none written: `dstrain run` keeps it in {bytecode['dstrain_cache']}"
-                if bytecode["dstrain_cache"] else f"kept in {bytecode['prefix']}" if bytecode["prefix"] else "kept")
+    env.add_row("torch bytecode", f"none installed, none written: `dstrain run` keeps it in "
+                f"{outside(bytecode['dstrain_cache'])}" if bytecode["dstrain_cache"]
+                else f"kept in {outside(bytecode['prefix'])}" if bytecode["prefix"] else "kept")
     arch = report["torch_cuda_arch_list"]
-    env.add_row(ARCH_LIST_VAR, str(arch["value"]) + (f" -> {arch['sanitized']}" if arch["sanitized"] else ""))
+    env.add_row(ARCH_LIST_VAR, outside(str(arch["value"]) + (f" -> {arch['sanitized']}" if arch["sanitized"] else "")))
     return env
 
 
@@ -609,8 +615,8 @@ def _gpu_table(gpu_facts: list[dict]) -> Table:
     for column in ("#", "name", "memory", "compute capability", "bf16"):
         gpus.add_column(column)
     for gpu in gpu_facts:
-        gpus.add_row(str(gpu["index"]), gpu["name"], _gib(gpu["total_memory_bytes"]),
-                     gpu["compute_capability"], _yes(gpu["bf16"]))
+        gpus.add_row(str(gpu["index"]), outside(gpu["name"]), _gib(gpu["total_memory_bytes"]),
+                     outside(gpu["compute_capability"]), _yes(gpu["bf16"]))
     return gpus
 
 
@@ -619,7 +625,7 @@ def _ops_table(op_facts: dict) -> Table:
     for column in ("op", "compatible", "prebuilt", "JIT cached", "used for"):
         ops.add_column(column)
     for name, op in op_facts.items():
-        ops.add_row(name, _yes(op["compatible"]), _yes(op["installed"]), _yes(op["jit_cached"]),
+        ops.add_row(outside(name), _yes(op["compatible"]), _yes(op["installed"]), _yes(op["jit_cached"]),
                     KEY_OPS.get(name, ""))
     return ops
 
@@ -636,10 +642,10 @@ def _offload_dir_table(nvme: dict) -> Table:
                  show_header=False)
     disk.add_column(style="bold")
     disk.add_column()
-    disk.add_row("path", nvme["path"])
-    disk.add_row("writable", _yes(nvme["writable"]) + (f" ({nvme['error']})" if nvme["error"] else ""))
+    disk.add_row("path", outside(nvme["path"]))
+    disk.add_row("writable", _yes(nvme["writable"]) + (f" ({outside(nvme['error'])})" if nvme["error"] else ""))
     if nvme["writable"]:
-        disk.add_row("filesystem", f"{nvme['filesystem']}, {_gib(nvme['free_bytes'])} free, "
+        disk.add_row("filesystem", f"{outside(nvme['filesystem'])}, {_gib(nvme['free_bytes'])} free, "
                                    f"O_DIRECT: {_yes(nvme['o_direct'])}")
         disk.add_row("sequential", f"write {nvme['write_mb_s']} MB/s, read {nvme['read_mb_s']} MB/s "
                                    f"({nvme['test_bytes'] // 2**20} MiB, synced)")
@@ -655,7 +661,7 @@ def _print_problems(problems: list[dict], console: Console) -> None:
         table.add_column(column)
     for p in problems:
         colour = "red" if p["severity"] == "error" else "yellow"
-        table.add_row(f"[{colour}]{p['severity']}[/]", p["check"], p["message"], p["fix"])
+        table.add_row(f"[{colour}]{p['severity']}[/]", outside(p["check"]), outside(p["message"]), outside(p["fix"]))
     console.print(table)
     errors = sum(p["severity"] == "error" for p in problems)
     if errors:

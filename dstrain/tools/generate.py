@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dstrain.console_text import outside
 from dstrain.errors import UserError
 from dstrain.rundir import CHECKPOINTS, CONFIG, HF_SOURCE
 
@@ -182,7 +183,7 @@ def generate(target: Path, prompt: str | None, chat: bool, max_new_tokens: int, 
     found = find_model(target)
     try:
         model, tokenizer = load(found, device)
-        err.print(f"[dim]{found.note}, on {device}[/]", soft_wrap=True)
+        err.print(f"[dim]{outside(found.note)}, on {device}[/]", soft_wrap=True)  # names the user's folder
         if not chat:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
             print(complete(model, tokenizer, ids, max_new_tokens, temperature, top_p), flush=True)

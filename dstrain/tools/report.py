@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dstrain import run_summary as rs
+from dstrain.console_text import outside
 from dstrain.errors import Problem, UserError, require_package
 
 # (file stem, title, y label, [(metrics.jsonl key, legend suffix)], log-scale y)
@@ -166,10 +167,11 @@ def summary_table(runs: list[RunData]) -> Table:
         table.add_column(column, justify="left" if column in ("run", "checkpoint") else "right", no_wrap=True)
     for run in runs:
         s = run.summary
-        table.add_row(run.name, f"{s.first_step or 0}-{s.last_step}", rs.duration(s.train_seconds),
+        # str cells are markup: the run's and the checkpoint's directory names are escaped
+        table.add_row(outside(run.name), f"{s.first_step or 0}-{s.last_step}", rs.duration(s.train_seconds),
                       rs.fmt(s.tokens_per_s, ",.0f"), rs.fmt(s.mfu, ".1%"), rs.fmt(s.final_loss, ".4f"),
                       rs.fmt(s.final_eval_loss, ".4f"), str(s.rollbacks),
-                      s.last_checkpoint.name if s.last_checkpoint else "-")
+                      outside(s.last_checkpoint.name) if s.last_checkpoint else "-")
     return table
 
 
@@ -219,8 +221,8 @@ def report(run_dirs: list[Path], output: Path | None, console: Console) -> Path:
     wide = Console(highlight=False, width=max(console.width, 120), file=console.file)  # a pipe is 80 wide
     wide.print(summary_table(runs))
     for line in event_lines(runs):
-        console.print(f"event {line}", soft_wrap=True)
+        console.print(f"event {outside(line)}", soft_wrap=True)
     for title, path in images:
-        console.print(f"  {title}: {path}")
-    console.print(f"report: {output}")
+        console.print(f"  {title}: {outside(path)}")
+    console.print(f"report: {outside(output)}")
     return output

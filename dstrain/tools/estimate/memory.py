@@ -842,6 +842,8 @@ def render(estimates: list[PresetEstimate], recommended: str | None, reason: str
     """Print the estimate as a rich table (GiB, 1 decimal) with the recommendation below it."""
     from rich.table import Table
 
+    from dstrain.console_text import outside  # notes and reasons may quote config values
+
     def gib(n: int) -> str:
         return f"{n / GiB:.1f}"
 
@@ -866,7 +868,7 @@ def render(estimates: list[PresetEstimate], recommended: str | None, reason: str
     for e in estimates:
         p = e.placement
         table.add_row(
-            e.name, str(p.stage), f"{p.offload_optimizer}/{p.offload_param}",
+            outside(e.name), str(p.stage), f"{p.offload_optimizer}/{p.offload_param}",
             gib(e.gpu_bytes_per_gpu), gib(e.model_state_bytes_per_gpu), gib(e.buffer_bytes_per_gpu),
             gib(e.activation_bytes_per_gpu), gib(e.cpu_bytes_per_node), gib(e.nvme_bytes),
             "[green]✓[/green]" if e.fits else "[red]✗[/red]",
@@ -875,8 +877,8 @@ def render(estimates: list[PresetEstimate], recommended: str | None, reason: str
     console.print(table)
     for e in estimates:
         for note in e.notes:
-            console.print(f"[dim]{e.name}: {note}[/dim]")
+            console.print(f"[dim]{outside(e.name)}: {outside(note)}[/dim]")
     if recommended:
-        console.print(f"[bold green]recommended: {recommended}[/bold green] — {reason}")
+        console.print(f"[bold green]recommended: {outside(recommended)}[/bold green] — {outside(reason)}")
     else:
-        console.print(f"[bold red]nothing fits[/bold red] — {reason}")
+        console.print(f"[bold red]nothing fits[/bold red] — {outside(reason)}")
