@@ -98,8 +98,8 @@ def _preview_pairs(config: RunConfig, encoded, train, count: int, console: Conso
     paired = objective in PAIRED_OBJECTIVES
     groups = len(encoded.groups) - 1
     group_lengths = unit_lengths(encoded.offsets, encoded.groups)
-    console.print(f"data: {data.source} {', '.join(data.paths)}; format preference, objective {objective}, tokenizer "
-                  f"{data.tokenizer}, seq_len {data.seq_len}", soft_wrap=True)
+    console.print(outside(f"data: {data.source} {', '.join(data.paths)}; format preference, objective {objective}, "
+                          f"tokenizer {data.tokenizer}, seq_len {data.seq_len}"), soft_wrap=True)
     console.print(f"  rows read        {stats['rows']:,}")
     console.print(f"  kept             {groups:,}: {stats['pairs']:,} pairs, {stats['unpaired']:,} unpaired (KTO); "
                   f"{len(train) - 1:,} to train on, {groups - (len(train) - 1):,} held out "
@@ -122,7 +122,7 @@ def _preview_pairs(config: RunConfig, encoded, train, count: int, console: Conso
                   f"{what} packed: {together.efficiency():.1%}; {apart.rows():,} rows one example each: "
                   f"{apart.efficiency():.1%}", soft_wrap=True)
     if note:
-        console.print(f"  [dim]{note}[/]", soft_wrap=True)
+        console.print(f"  [dim]{outside(note)}[/]", soft_wrap=True)
     decode = _decoder(load_encoder(data))
     shown = min(count, len(train) - 1)
     if shown:
