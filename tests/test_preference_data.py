@@ -261,3 +261,23 @@ def test_build_samplers_gives_preference_batches_for_the_objective(tmp_path, obj
     if not packing:
         assert segments == 4 and batch["input_ids"].shape[0] == 4  # 2 pairs: one row per completion
     assert set(batch["example_ids"].unique().tolist()) - {-1} == set(range(segments))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_kto_batches_carry_the_kl_rows_each_prompt_with_the_previous_examples_completion(tmp_path, packing):
+    rows = [{"prompt": f"<{i}>", "completion": f"answer {i}", "label": i % 2 == 0} for i in range(10)]
+    encoded, data = encode(tmp_path, rows, seq_len=32, eval_fraction=0.1)
+    train, _ = split_encoded(encoded, data)
+    sampler = PreferenceSampler(encoded, train, 32, 5, paired=False, packed=packing)
+    batch = sampler.batch(0, 2)
+    count = len(batch["desirable"])
+    texts = [bytes(batch["input_ids"][batch["example_ids"] == k].tolist()) for k in range(count)]
+    kl = [bytes(batch["kl_input_ids"][batch["kl_example_ids"] == k].tolist()) for k in range(count)]
+    for j, other in enumerate([count - 1, *range(count - 1)]):  # TRL's rotation by one within the batch
+        prompt, completion = texts[j].split(b">", 1)[0] + b">", b"answer " + texts[other].split(b"answer ")[1]
+        assert kl[j] == prompt + completion
+    from dstrain.models import preference_loss as pl
+    segments = pl.shift_segment_ids(batch["kl_example_ids"], batch["kl_labels"])
+    counts = torch.bincount(segments[segments >= 0], minlength=count)
+    assert counts.tolist() == [len(t.split(b"answer ")[1]) + len(b"answer ") for t in
+                               [texts[o] for o in [count - 1, *range(count - 1)]]]  # the completion and its eos

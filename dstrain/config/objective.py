@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dstrain.config.layers import PRESET_RANK, Merged
 from dstrain.config.preference import (DEFAULT_LOSS, LOSS_TYPES, NOT_TRAINED_YET, OBJECTIVES_WITHOUT_REFERENCE,
-                                       READ_BY, TRAINED_OBJECTIVES, auto_reference, check_beta, check_label_smoothing, check_loss_types)
+                                       READ_BY, TRAINED_OBJECTIVES, auto_reference, check_beta, check_label_smoothing,
+                                       check_loss_types)
 from dstrain.config.schema import RunConfig
 from dstrain.errors import Problem
 
@@ -50,7 +51,8 @@ def check_objective(config: RunConfig, merged: Merged, problems: list[Problem], 
                                     "e.g. preference.beta: 0.1 (TRL's default; SimPO's recipes use 2-10)"))
     _resolve_reference(config, merged, problems, notes)
     loss = pref.loss if pref.loss is not None else DEFAULT_LOSS.get(objective)
-    if objective == "kto" and "kto" in ([loss] if isinstance(loss, str) else loss) and config.train.micro_batch_size < 2:
+    names = [loss] if isinstance(loss, str) else loss or []
+    if objective == "kto" and "kto" in names and config.train.micro_batch_size < 2:
         problems.append(Problem("the KTO loss estimates its KL term from each completion paired with another "
                                 "example's prompt in the same micro batch, which needs at least 2 examples (TRL "
                                 "requires a batch > 1)", where("train.micro_batch_size"),

@@ -131,3 +131,10 @@ def check_choice(value: str, accepted: Sequence[str], what: str) -> str:
     if value not in accepted:
         raise ValueError(f"unknown {what} {value!r}: accepted are {_names(accepted)}")
     return value
+
+
+def kto_mismatched_order(batch_size: int) -> list[int]:
+    """For KTO's KL term: example i is paired with the completion of example i - 1 of its batch (the first with
+    the last), as TRL's KTO data preparation rotates them batch by batch. Here, beside the names, so that
+    the data layer (which builds the mismatched rows) and the loss read one rule."""
+    return [batch_size - 1, *range(batch_size - 1)] if batch_size > 0 else []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dstrain.config.preference import kto_mismatched_order
 from dstrain.config.schema import DataConfig
 from dstrain.data.binpack import pack_rows
 from dstrain.data.formats import IGNORE, Encoded, Encoder
@@ -162,7 +163,8 @@ class PreferenceRows:
         """The arrays of one micro batch: `unit_groups`, one list of units per packed row (or, padded, the
         units of the micro batch as one list): input_ids, labels (Hugging Face's, unshifted; -100 on the
         prompt, on each example's first token and on padding), position_ids, example_ids (the segment of each
-        token, -1 on padding), desirable (per segment) and, for pairs, margin (per pair; 0 where none)."""
+        token, -1 on padding), desirable (per segment); for pairs margin (per pair; 0 where none), for KTO the
+        mismatched rows of its KL term (kl_input_ids, kl_labels, kl_position_ids, kl_example_ids)."""
         enc, offsets = self.encoded, self.encoded.offsets
         # occurrence j of the batch (a unit may come twice, in another epoch's order): its examples and the
         # segment of each; pairs: chosen j -> j, rejected j -> P + j
@@ -181,25 +183,62 @@ class PreferenceRows:
                 at += size
         else:  # one example a row, in segment order (chosen rows first)
             rows = [[item] for item in by_segment]
-        shape = (len(rows), self.seq_len)
-        input_ids = np.full(shape, enc.pad_id, dtype=np.int64)
-        labels = np.full(shape, IGNORE, dtype=np.int64)
-        positions = np.empty(shape, dtype=np.int64)
-        example_ids = np.full(shape, -1, dtype=np.int64)
-        for row, items in enumerate(rows):
-            at = 0
-            for segment, example in items:
-                start, stop = int(offsets[example]), int(offsets[example + 1])
-                end = at + stop - start
-                input_ids[row, at:end] = enc.ids[start:stop]
-                labels[row, at + 1:end] = enc.labels[start + 1:stop]  # the first token is never predicted
-                positions[row, at:] = np.arange(self.seq_len - at)  # padding continues the last example
-                example_ids[row, at:end] = segment
-                at = end
+        pieces = [[(segment, enc.ids[offsets[e]:offsets[e + 1]], enc.labels[offsets[e]:offsets[e + 1]])
+                   for segment, e in items] for items in rows]
+        input_ids, labels, positions, example_ids = fill_rows(pieces, self.seq_len, enc.pad_id)
         arrays = {"input_ids": input_ids, "labels": labels, "position_ids": positions, "example_ids": example_ids,
                   "desirable": np.asarray([bool(enc.desirable[example]) for _, example in by_segment])}
         if self.paired:
             chosen = [int(self.units[unit]) for unit in occurrences]
             group_of = np.searchsorted(np.asarray(enc.groups), chosen)
             arrays["margin"] = np.nan_to_num(np.asarray(enc.margins, dtype=np.float32)[group_of], nan=0.0)
+        else:
+            arrays.update(self._kl_rows([example for _, example in by_segment]))
         return arrays
+
+    def _kl_rows(self, examples: list[int]) -> dict[str, np.ndarray]:
+        """KTO's KL term: segment j is example j's prompt followed by the completion of example
+        kto_mismatched_order(N)[j] (cut to seq_len), laid out as the batch is (packed or a row each),
+        under the keys kl_input_ids, kl_labels, kl_position_ids, kl_example_ids."""
+        enc, offsets = self.encoded, self.encoded.offsets
+        parts = []  # (prompt ids, completion ids, completion labels) per example
+        for example in examples:
+            ids = enc.ids[offsets[example]:offsets[example + 1]]
+            labels = enc.labels[offsets[example]:offsets[example + 1]]
+            first = int(np.argmax(labels != IGNORE))  # every stored example has a label
+            parts.append((ids[:first], ids[first:], labels[first:]))
+        pieces = []
+        for j, other in enumerate(kto_mismatched_order(len(examples))):
+            prompt, (_, completion, completion_labels) = parts[j][0], parts[other]
+            ids = np.concatenate([prompt, completion])[:self.seq_len]
+            labels = np.concatenate([np.full(len(prompt), IGNORE), completion_labels])[:self.seq_len]
+            pieces.append((j, ids, labels))
+        if self.packed:
+            items, row_offsets = pack_rows(np.asarray([len(ids) for _, ids, _ in pieces]), self.seq_len, 0)
+            rows = [[pieces[i] for i in items[a:b]] for a, b in zip(row_offsets[:-1], row_offsets[1:])]
+        else:
+            rows = [[piece] for piece in pieces]
+        names = ("kl_input_ids", "kl_labels", "kl_position_ids", "kl_example_ids")
+        return dict(zip(names, fill_rows(rows, self.seq_len, enc.pad_id)))
+
+
+def fill_rows(rows: list[list[tuple[int, np.ndarray, np.ndarray]]], seq_len: int,
+              pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids, labels, position_ids, example_ids) of rows, each a list of (segment, ids, labels) placed
+    one after another: positions restart at 0 per example (padding continues the last one), the label of
+    each example's first token is -100 (never predicted from the example before), example_ids -1 on padding."""
+    shape = (len(rows), seq_len)
+    input_ids = np.full(shape, pad_id, dtype=np.int64)
+    labels = np.full(shape, IGNORE, dtype=np.int64)
+    positions = np.empty(shape, dtype=np.int64)
+    example_ids = np.full(shape, -1, dtype=np.int64)
+    for row, items in enumerate(rows):
+        at = 0
+        for segment, ids, example_labels in items:
+            end = at + len(ids)
+            input_ids[row, at:end] = ids
+            labels[row, at + 1:end] = example_labels[1:]
+            positions[row, at:] = np.arange(seq_len - at)
+            example_ids[row, at:end] = segment
+            at = end
+    return input_ids, labels, positions, example_ids

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from dstrain.config.preference import (CPO_LOSS_TYPES, DPO_LOSS_TYPES, F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCES,
                                        KTO_LOSS_TYPES, check_beta, check_choice, check_label_smoothing,
-                                       check_loss_types)
+                                       check_loss_types, kto_mismatched_order)  # noqa: F401 - the KL rule, re-exported
 
 IGNORE_INDEX = -100
 
@@ -416,12 +416,6 @@ def orpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_c
 
 
 # --- KTO (unpaired) --------------------------------------------------------------------------------------
-
-def kto_mismatched_order(batch_size: int) -> list[int]:
-    """For the KL term's completions: example i is paired with the completion of example i - 1 of its batch
-    (the first with the last), as TRL's KTO data preparation rotates them, batch by batch, in a fixed order."""
-    return [batch_size - 1, *range(batch_size - 1)] if batch_size > 0 else []
-
 
 def kto_kl_estimate(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
     """The KL term's estimate before its clamp: the mean of policy - reference log-probs of the mismatched
