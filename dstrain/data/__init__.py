@@ -17,8 +17,9 @@ The batch contract (what forward(batch) receives, moved to the device):
   "position_ids", "example_ids", "desirable"} and, for pairs, "margin" (dstrain.data.preference):
   whole pairs packed into rows (or one example a row, chosen rows first), example_ids the segment of
   each token (chosen completion p of the batch's P pairs: p, its rejected one: P + p; KTO example k: k;
-  -1 on padding), desirable per segment, margin per pair. A micro batch counts rows when packed, pairs
-  (two rows each) or KTO examples when not.
+  -1 on padding), desirable per segment, margin per pair; KTO batches add kl_input_ids, kl_labels,
+  kl_position_ids and kl_example_ids (each prompt with another example's completion, for the KL term).
+  A micro batch counts rows when packed, pairs (two rows each) or KTO examples when not.
 - An entry-point Dataset: whatever default_collate makes of its items.
 The built-in GPT accepts both of the first two.
 """

@@ -18,7 +18,9 @@ ids restarting at 0; padded, each example has its row, the chosen completions' r
 `example_ids` gives each token its segment: for pairs, chosen completion p of the micro batch's P pairs
 is segment p and its rejected one P + p (TRL's concatenated order), for KTO example k is segment k; -1 on
 padding. preference_loss.shift_segment_ids(example_ids, labels) then aligns them with the shifted labels
-and segment_logps sums each completion. numpy only: `dstrain data preview` packs without torch.
+and segment_logps sums each completion. A KTO batch also carries its KL term's rows (kl_*: example k's
+prompt with the completion of example kto_mismatched_order(N)[k]). numpy only: `dstrain data preview`
+packs without torch.
 """
 
 from __future__ import annotations
