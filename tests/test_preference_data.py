@@ -116,10 +116,11 @@ def test_a_template_with_generation_marks_scores_the_completion_alone(tmp_path, 
 
 def test_a_row_without_a_pair_names_the_file_the_row_and_its_fields(tmp_path):
     rows = [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"},
-            {"prompt": "a", "completion": "b", "label": "yes"}]
+            {"prompt": "a", "completion": "b", "label": "yes"}, {"chosen": "ab", "rejected": "ac"}]
     with pytest.raises(UserError) as caught:
         encode(tmp_path, rows)
-    first, second = caught.value.problems
+    first, second, third = caught.value.problems
+    assert "line 4" in third.where and "without a prompt field they must be message lists" in third.message
     assert "pairs.jsonl line 2" in first.where and "its fields are prompt, chosen" in first.message
     assert all(f"{', '.join(needs)}" in first.fix for _, needs, _ in PREFERENCE_LAYOUTS if "conversations" not in needs)
     assert "pairs.jsonl line 3" in second.where and "'label' is 'yes', not true or false" in second.message
