@@ -80,6 +80,9 @@ def build_model(config: RunConfig, ds_config: dict, device: torch.device) -> nn.
     if config.train.init_from:
         setup.load_init_from(config, model, zero3)
     setup.apply_freezing(config, model)
+    if config.train.objective != "lm":  # preference objectives: the loss of dstrain.models.preference
+        from dstrain.models.preference import attach
+        attach(model, config)
     return model
 
 

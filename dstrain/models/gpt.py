@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dstrain.models.chunked_loss import LMHeadLoss
+from dstrain.models.preference import LogpsHead, LogpsRequest
 
 
 class CausalSelfAttention(nn.Module):
@@ -69,6 +70,8 @@ class GPT(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied input/output embeddings, as in GPT-2
         self.lm_loss = LMHeadLoss(self.head, loss_chunk) if loss_chunk else None
+        self.logps_head: nn.Module | None = None  # preference objectives (dstrain.models.preference.attach)
+        self.preference = None
         self.checkpoint_fn: Callable | None = None
         self.apply(self._init_weights)
         for name, param in self.named_parameters():  # scaled init of residual projections (GPT-2)
@@ -87,22 +90,41 @@ class GPT(nn.Module):
         self.checkpoint_fn = checkpoint_fn
 
     def forward(self, batch) -> torch.Tensor:
+        if isinstance(batch, LogpsRequest):  # a preference reference copy: per-token log-probs
+            return self.token_logps(*batch)
+        if self.preference is not None and isinstance(batch, dict) and "example_ids" in batch:
+            return self.preference(self, batch)
         if isinstance(batch, dict):  # {input_ids, labels}: labels aligned with the inputs, -100 = no loss
             inputs = batch["input_ids"]
             targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)  # position t predicts label t + 1
         else:
             inputs, targets = batch
-        packed = isinstance(batch, dict) and "position_ids" in batch
-        positions = batch["position_ids"] if packed else torch.arange(inputs.shape[1], device=inputs.device)
-        x = self.drop(self.tok_emb(inputs) + self.pos_emb(positions))
-        args = (document_mask(positions),) if packed else ()
-        for block in self.blocks:
-            x = self.checkpoint_fn(block, x, *args) if self.checkpoint_fn and self.training else block(x, *args)
-        x = self.ln_f(x)
+        x = self.hidden_states(inputs, batch["position_ids"] if isinstance(batch, dict) and "position_ids" in batch
+                               else None)
         if self.lm_loss is not None:
             return self.lm_loss(x, targets)
         logits = self.head(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+
+    def hidden_states(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The last hidden states, after the final norm (the forward without the head); `positions`: the
+        position ids of packed rows (attention then stays within each example)."""
+        packed = positions is not None
+        if not packed:
+            positions = torch.arange(inputs.shape[1], device=inputs.device)
+        x = self.drop(self.tok_emb(inputs) + self.pos_emb(positions))
+        args = (document_mask(positions),) if packed else ()
+        for block in self.blocks:
+            x = self.checkpoint_fn(block, x, *args) if self.checkpoint_fn and self.training else block(x, *args)
+        return self.ln_f(x)
+
+    def enable_logps(self, chunk: int) -> None:
+        """Preference objectives: per-token log-probs through the (tied) head, `chunk` tokens at a time."""
+        self.logps_head = LogpsHead(self.head, chunk)
+
+    def token_logps(self, inputs: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log p(target) per position (0 where the target is -100), through the preference head."""
+        return self.logps_head(self.hidden_states(inputs, positions), targets)
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:

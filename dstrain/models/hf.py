@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dstrain.config.schema import PEFT_ARGUMENTS, LoraConfig, RunConfig
+from dstrain.models import preference_loss
+from dstrain.models.preference import LogpsHead, LogpsRequest
 from dstrain.rundir import HF_SOURCE
 from dstrain.errors import UserError, require_package
 
@@ -87,6 +89,9 @@ class CausalLM(nn.Module):
         self.loss_note: str | None = None
         self.loss_why = "train.loss_chunking=false"  # why the loss is chunked or not, for the plan's sources
         self._body: tuple[nn.Module, ...] = ()  # the decoder body, held outside the module tree
+        self.logps_head: nn.Module | None = None  # preference objectives (dstrain.models.preference.attach)
+        self._logps_body: tuple[nn.Module, ...] = ()
+        self.preference = None
         if chunking is False:
             return
         from dstrain.config.schema import LOSS_CHUNKING_MIN_VOCAB
@@ -108,6 +113,10 @@ class CausalLM(nn.Module):
         self.lm_loss = LMHeadLoss(head, chunk_tokens)
 
     def forward(self, batch) -> torch.Tensor:
+        if isinstance(batch, LogpsRequest):  # a preference reference copy: per-token log-probs
+            return self.token_logps(*batch)
+        if self.preference is not None and isinstance(batch, dict) and "example_ids" in batch:
+            return self.preference(self, batch)
         if self.sequence_group is not None:
             return self._sequence_parallel_loss(batch)
         if isinstance(batch, dict):
@@ -127,6 +136,38 @@ class CausalLM(nn.Module):
             return self._chunked_loss({"input_ids": inputs}, targets)
         logits = self.model(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def enable_logps(self, chunk: int) -> None:
+        """Preference objectives: per-token log-probs from the decoder body's hidden states through a
+        LogpsHead (`chunk` tokens at a time), where the model's forward splits into body and head
+        (split_problem); otherwise from the model's own logits."""
+        if split_problem(self.model) is None:
+            inner = _unwrapped(self.model)
+            self._logps_body = (getattr(inner, inner.base_model_prefix),)
+            self.logps_head = LogpsHead(inner.get_output_embeddings(), chunk)
+        self.logps_chunk = chunk
+
+    def token_logps(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log p(target) per position [rows, T] (0 where the target is -100): rows of packed examples told
+        apart by their position ids, as packed SFT rows (dstrain.models.packing)."""
+        shape = input_ids.shape
+        attention = getattr(self.model.config, "_attn_implementation", None) or ""
+        if attention.startswith("flash"):  # the flash path finds packed examples in one row only
+            input_ids, position_ids, targets = (t.reshape(1, -1) for t in (input_ids, position_ids, targets))
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+        if self.logps_head is not None:
+            logps = self.logps_head(self._logps_body[0](**inputs)[0], targets)
+        else:
+            logps = preference_loss.token_logps(self.model(**inputs).logits, targets, self.logps_chunk)
+        return logps.reshape(shape)
+
+    def adapters_disabled(self):
+        """The context in which the model is its base model (peft's disable_adapter): the reference of
+        preference.reference adapters_off."""
+        if not hasattr(self.model, "disable_adapter"):
+            raise UserError.single("preference.reference adapters_off needs LoRA adapters (model.lora)",
+                                   "preference.reference", "set model.lora, or preference.reference: model")
+        return self.model.disable_adapter()
 
     def _chunked_loss(self, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
         hidden = self._body[0](**inputs, use_cache=False)[0]  # the last hidden state, after the final norm
