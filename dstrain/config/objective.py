@@ -6,7 +6,8 @@ says where in the config each one applies. No torch import."""
 from __future__ import annotations
 
 from dstrain.config.layers import PRESET_RANK, Merged
-from dstrain.config.preference import (DEFAULT_LOSS, LOSS_TYPES, NOT_TRAINED_YET, OBJECTIVES_WITHOUT_REFERENCE,
+from dstrain.config.preference import (DEFAULT_LOSS, LOSS_TYPES, NOT_IMPLEMENTED_REFERENCE,
+                                       NOT_IMPLEMENTED_REFERENCES, NOT_TRAINED_YET, OBJECTIVES_WITHOUT_REFERENCE,
                                        READ_BY, TRAINED_OBJECTIVES, auto_reference, check_beta, check_label_smoothing,
                                        check_loss_types)
 from dstrain.config.schema import RunConfig
@@ -50,6 +51,17 @@ def check_objective(config: RunConfig, merged: Merged, problems: list[Problem], 
             problems.append(Problem(str(err), where("preference.beta"),
                                     "e.g. preference.beta: 0.1 (TRL's default; SimPO's recipes use 2-10)"))
     _resolve_reference(config, merged, problems, notes)
+    if pref.reference in NOT_IMPLEMENTED_REFERENCES and objective not in OBJECTIVES_WITHOUT_REFERENCE:
+        warnings.append(f"{where('preference.reference')}: {NOT_IMPLEMENTED_REFERENCE}; use adapters_off (LoRA) or "
+                        "model")
+    if objective in TRAINED_OBJECTIVES and not (config.model.name == "gpt" or config.model.name.startswith("hf:")):
+        problems.append(Problem(f"train.objective {objective} trains the built-in gpt or an \"hf:\" model (it needs "
+                                f"the model's hidden states and LM head); {config.model.name!r} is an entry point",
+                                where("model.name"), "set model.name: gpt or hf:<directory or hub id>"))
+    if config.train.compile:
+        problems.append(Problem(f"train.objective {objective}: train.compile is not supported with preference "
+                                "objectives yet (their forward runs the model more than once)", where("train.compile"),
+                                "set train.compile: false"))
     loss = pref.loss if pref.loss is not None else DEFAULT_LOSS.get(objective)
     names = [loss] if isinstance(loss, str) else loss or []
     if objective == "kto" and "kto" in names and config.train.micro_batch_size < 2:

@@ -159,6 +159,8 @@ def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, not
     lora = config.model.lora
     if accelerator != "cuda":
         why_off = f"not on {accelerator}"
+    elif config.train.objective != "lm":
+        why_off = f"train.objective {config.train.objective} is not supported compiled (it runs the model twice)"
     elif config.model.name != "gpt" and not hf:
         why_off = "your own model: set true to compile it"
     elif config.train.precision != "bf16":

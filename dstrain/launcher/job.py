@@ -18,7 +18,8 @@ from rich.console import Console
 
 from dstrain import __version__
 from dstrain.checkpoints import find_resume, find_resume_auto
-from dstrain.config.preference import NOT_TRAINED_YET, TRAINED_OBJECTIVES
+from dstrain.config.preference import (NOT_IMPLEMENTED_REFERENCE, NOT_IMPLEMENTED_REFERENCES, NOT_TRAINED_YET,
+                                       OBJECTIVES_WITHOUT_REFERENCE, TRAINED_OBJECTIVES)
 from dstrain.config.resolve import ResolvedConfig, resolve
 from dstrain.console_text import outside
 from dstrain.errors import UserError
@@ -57,10 +58,7 @@ def launch(o: LaunchOptions) -> int:
         console.print(f"[yellow]note:[/] --resume without --config or --preset: the run directory's own config "
                       f"{outside(frozen)} is used (--set still overrides it)", soft_wrap=True)
         _restore_secrets(resolved, frozen.parent)
-    objective = resolved.config.train.objective
-    if not o.dry_run and objective not in TRAINED_OBJECTIVES:  # else its batches would train as next-token prediction
-        raise UserError.single(f"train.objective {objective}: {NOT_TRAINED_YET}", "train.objective",
-                               "use train.objective: lm until the preference training loop is in")
+    _refuse_untrained(resolved, o.dry_run)
     run_dir = Path(o.run_dir or default_run_dir(resolved))
     port = master_port(o, shape)
     command = runner_command(o, shape, run_dir, port)
@@ -73,6 +71,22 @@ def launch(o: LaunchOptions) -> int:
         if early is not None:
             early.cancel()
         raise
+
+
+def _refuse_untrained(resolved: ResolvedConfig, dry_run: bool) -> None:
+    """What the loop does not train yet is refused before anything starts (a dry run checks it all): the
+    reward model, and the precomputed reference (issue 52)."""
+    if dry_run:
+        return
+    objective = resolved.config.train.objective
+    if objective not in TRAINED_OBJECTIVES:
+        raise UserError.single(f"train.objective {objective}: {NOT_TRAINED_YET}", "train.objective",
+                               "use train.objective dpo, simpo, orpo or kto (or lm) until reward models are in")
+    reference = resolved.config.preference.reference
+    if objective not in OBJECTIVES_WITHOUT_REFERENCE and reference in NOT_IMPLEMENTED_REFERENCES:
+        raise UserError.single(NOT_IMPLEMENTED_REFERENCE, "preference.reference",
+                               "set preference.reference: adapters_off (with model.lora) or model (a frozen copy), "
+                               "or auto")
 
 
 def _check_and_start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelerator: str, run_dir: Path,
