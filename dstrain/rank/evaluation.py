@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ class EvalResult:
     samples: int  # held-out samples (rows) evaluated, each once
     examples: int  # examples in them (packed rows hold several)
     of_samples: int | None  # samples in the whole held-out split (None: endless, synthetic)
+    metrics: dict = field(default_factory=dict)  # a preference objective's: eval_rewards/margins, ...
 
 
 def eval_samples(config: RunConfig, sampler) -> int:
@@ -53,7 +54,10 @@ def evaluate(engine, config: RunConfig, eval_sampler, device) -> EvalResult:
 
     The sample set depends on the config, not on the world size. Each rank takes a contiguous share
     in micro batches; every rank runs the same number of forward passes (ZeRO-3 gathers parameters in
-    each), a share that runs out being topped up with rows whose labels are all masked."""
+    each), a share that runs out being topped up with rows whose labels are all masked.
+    A preference objective's loss is its own: see `evaluate_preference`."""
+    if config.train.objective != "lm":
+        return evaluate_preference(engine, config, eval_sampler, device)
     layout = Layout.of(dist.get_rank(), dist.get_world_size(), config.train.sequence_parallel)
     rank, world = layout.data_rank, layout.data_world  # a sequence-parallel group shares its samples
     micro = config.train.micro_batch_size
@@ -80,6 +84,42 @@ def evaluate(engine, config: RunConfig, eval_sampler, device) -> EvalResult:
     dist.all_reduce(loss_sum)
     dist.all_reduce(counts)
     return EvalResult(loss_sum.item() / max(counts[0].item(), 1), total, int(counts[1].item()), eval_sampler.size)
+
+
+def evaluate_preference(engine, config: RunConfig, eval_sampler, device) -> EvalResult:
+    """A preference objective's held-out loss: the same loss as training (the objective's, against the same
+    reference), averaged over the held-out pairs (KTO: examples), each once, with the metrics under TRL's
+    names prefixed eval_. Each rank takes a contiguous share of the samples in micro batches; every rank
+    runs the same number of forwards (ZeRO-3 gathers in each, KTO all-reduces its KL term), a share that
+    runs out running a sample again with weight 0."""
+    from dstrain.models.preference import units_in
+    from dstrain.rank.preference import PreferenceMetrics
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = config.train.micro_batch_size
+    total = eval_samples(config, eval_sampler)
+    per_rank = -(-total // world)
+    first, last = min(rank * per_rank, total), min((rank + 1) * per_rank, total)
+    stats = PreferenceMetrics(config.train.objective, device)
+    sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss * pairs, pairs
+    engine.eval()
+    with torch.no_grad(), _evaluation_forward(engine) as forward:
+        for start in range(first, first + per_rank, micro):
+            heartbeat.beat("eval")
+            real = max(0, min(micro, last - start))
+            batch = to_device(eval_sampler.batch(start if real else 0, real or 1), device)
+            loss = forward(batch)
+            if real:
+                units = units_in(batch)
+                sums += torch.stack([loss.double() * units, torch.tensor(float(units), device=device,
+                                                                         dtype=torch.float64)])
+                stats.add(engine.module.preference.last_metrics)
+    engine.train()
+    examples = torch.tensor([eval_sampler.examples(first, last - first)], device=device, dtype=torch.float64)
+    dist.all_reduce(sums)
+    dist.all_reduce(examples)
+    metrics = {f"eval_{name}": value for name, value in stats.reduce().items()}
+    return EvalResult(sums[0].item() / max(sums[1].item(), 1), total, int(examples.item()), eval_sampler.size,
+                      metrics)
 
 
 def _eval_batch(sampler, first: int, micro: int, real: int):
@@ -124,7 +164,7 @@ class Evaluator:
     def run(self, step: int, stopping: bool) -> bool:
         """Evaluate and log; True when early stopping ends the run here (never at its last step)."""
         result = evaluate(self.engine, self.config, self.eval_sampler, self.device)
-        self.metrics.log_eval(step, result.loss, coverage(result), describe(result))
+        self.metrics.log_eval(step, result.loss, {**coverage(result), **result.metrics}, describe(result))
         last = step == self.config.train.max_steps or stopping
         if not (self.early.update(step, result.loss) and not last):
             return False
@@ -181,7 +221,9 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int
     rank, world, device = init_rank(collective_timeout_s(launch.hang_timeout_s))
     seed_everything(config.train.seed)
 
+    from dstrain.rank.preference import rng_state, set_up_reference
     _, eval_sampler = build_samplers(config)
+    policy_rng = rng_state()
     model = build_model(config, ds_config, device)
     # The run's own DeepSpeed config, optimizer included: ZeRO keeps the fp32 weights in the
     # optimizer's partitions, and loading them is what makes the evaluated weights the trained ones.
@@ -191,6 +233,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int
                                      load_lr_scheduler_states=False)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint.tag} from {checkpoint.directory}")
+    set_up_reference(model, config, ds_config, device, policy_rng)  # the starting weights, as in training
 
     result = evaluate(engine, config, eval_sampler, device)
     loss = result.loss

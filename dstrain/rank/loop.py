@@ -31,6 +31,7 @@ from dstrain.rank.checkpointing import Checkpointer
 from dstrain.rank.evaluation import Evaluator
 from dstrain.rank.health import Guard, HealthState, RunUnhealthy
 from dstrain.rank.metrics import MetricsLog, engine_stats
+from dstrain.rank.preference import PreferenceMetrics, micro_batch_weight
 from dstrain.rank.profiling import StepProfiler, phase
 
 
@@ -94,6 +95,8 @@ class LoopParts:
     dstrain.rank.runtime.activation_offload)."""
     profiler: StepProfiler | None = None
     """torch.profiler around profile.steps steps (None: this rank does not profile)."""
+    preference: PreferenceMetrics | None = None
+    """A preference objective's metrics since the last log line (None: train.objective lm)."""
 
     @classmethod
     def build(cls, engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler, device, metrics: MetricsLog,
@@ -107,8 +110,9 @@ class LoopParts:
         checkpointer = Checkpointer(engine, run_dir, config.train, lambda step: {
             **client_state(step), "health": health.client_state(), "early_stop": evaluator.early.client_state()})
         from dstrain.rank.runtime import activation_offload
+        preference = PreferenceMetrics(config.train.objective, device) if config.train.objective != "lm" else None
         return cls(train_sampler, device, metrics, guard, evaluator, checkpointer, activation_offload(config),
-                   StepProfiler.build(config, run_dir, dist.get_rank()))
+                   StepProfiler.build(config, run_dir, dist.get_rank()), preference)
 
 
 @dataclass
@@ -158,7 +162,7 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
         if parts.profiler:
             parts.profiler.step_begins()
         step_loss, fetch_s = _optimizer_step(engine, t, parts.train_sampler, data_step, state.step, layout,
-                                             parts.device, parts.activations)
+                                             parts.device, parts.activations, parts.preference)
         if parts.profiler:
             _say(metrics, parts.profiler.step_ended())
         # a pure function of the sample indices: no collective needed, rank 0 counts
@@ -190,14 +194,19 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
                 raise
             metrics.rewind(state.step)  # trackers hide the steps trained again
             window.restart()
+            if parts.preference is not None:
+                parts.preference.reset()
             if stopping:  # the checkpoint rolled back to is the one to resume from
                 break
             continue
         if logs:
             dist.all_reduce(window.loss_sum)  # mean over ranks: every rank logs the same number
             loss_value = window.loss_sum.item() / (world * t.grad_accum_steps * window.steps)
+            stats = engine_stats(engine)
+            if parts.preference is not None:  # a collective too: rewards/*, logps/* over the window's pairs
+                stats.update(parts.preference.reduce())
             metrics.log_step(state.step, loss_value, lr, time.perf_counter() - window.start, window.steps,
-                             window.data_s, engine_stats(engine), window.real_tokens)
+                             window.data_s, stats, window.real_tokens)
             window.restart()
         if evals:
             state.early_stopped = evaluator.run(state.step, stopping)
@@ -222,11 +231,15 @@ def _say(metrics: MetricsLog, lines: list[str]) -> None:
 
 
 def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, layout: Layout, device,
-                    activations: Callable[[], Any] = contextlib.nullcontext):
+                    activations: Callable[[], Any] = contextlib.nullcontext,
+                    preference: PreferenceMetrics | None = None):
     """One optimizer step over train.grad_accum_steps micro-batches: (the summed loss, a device tensor
-    nothing waits for; host seconds spent building batches)."""
+    nothing waits for; host seconds spent building batches). A preference objective's micro batch loss is
+    weighted by its share of the step's pairs (dstrain.rank.preference) and its metrics collected."""
     step_loss = torch.zeros((), device=device)
     fetch_s = 0.0
+    if preference is not None:  # the step's pairs over all ranks: a pure function of the sample indices
+        step_units = train_sampler.examples(data_step * t.global_batch_size, t.global_batch_size)
     for micro_step in range(t.grad_accum_steps):
         heartbeat.beat("data", step + 1)
         fetch_start = time.perf_counter()
@@ -237,6 +250,9 @@ def _optimizer_step(engine, t, train_sampler, data_step: int, step: int, layout:
             heartbeat.beat("forward")
             with phase("forward"):
                 loss = engine(batch)
+            if preference is not None:
+                loss = loss * micro_batch_weight(batch, step_units, t.grad_accum_steps * layout.data_world)
+                preference.add(engine.module.preference.last_metrics)
             heartbeat.beat("backward")
             with phase("backward"):
                 engine.backward(loss)

@@ -229,9 +229,11 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     from dstrain.config.resolve import redact
     from dstrain.models import build_model
     from dstrain import speedups
+    from dstrain.rank.preference import rng_state, set_up_reference
     from dstrain.rank.runtime import (apply_tiled_mlp, checkpointing_wanted, enable_activation_checkpointing,
                                       initialize_engine, sequence_parallel_mpu)
 
+    policy_rng = rng_state()  # a preference reference copy starts from the same random state
     model = build_model(config, ds_config, device)
     tiled = apply_tiled_mlp(model, config)
     if tiled and rank == 0:
@@ -258,6 +260,9 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     if rank == 0:
         for line in report.lines():
             print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout, flush=True)
+    reference = set_up_reference(model, config, ds_config, device, policy_rng)
+    if reference and rank == 0:
+        print(reference, flush=True)
     return engine, model
 
 
