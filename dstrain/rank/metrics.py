@@ -8,7 +8,9 @@ loop already waits for the device at; nothing is read from the device between th
 metrics.jsonl rows: training rows (step, loss, lr, grad_norm, tokens_per_s (every position of every
 row, padding included), real_tokens_per_s (non-pad tokens only; absent for a user's Dataset), tflops_per_device, mfu,
 data_wait_ms, step_time_ms, memory_gib, gpu_mem_allocated_gib, gpu_mem_reserved_gib, host_rss_gib,
-loss_scale, skipped_steps, time), evaluation rows (step, eval_loss, eval_samples, eval_examples,
+loss_scale, skipped_steps, time; with a preference objective TRL's rewards/chosen, rewards/rejected,
+rewards/accuracies, rewards/margins, logps/chosen, logps/rejected and the objective's own: nll_loss,
+log_odds_ratio, log_odds_chosen, kl), evaluation rows (eval_ before the preference names) (step, eval_loss, eval_samples, eval_examples,
 eval_split_samples, time: what the evaluation covered, each sample once) and event rows ({"event":
 kind, "step": ...}): "run_start" and "run_end" bracket each session of a run (dstrain/run_summary.py
 reads them), other kinds come from `log_event` (rollbacks, say). Keys a run cannot measure are absent:
@@ -75,8 +77,8 @@ def engine_stats(engine) -> dict[str, float]:
 
 
 BAR_WIDTH = 12
-# fields of the live bar, most needed first: loss, throughput, memory, then the rest
-_FIT_ORDER = (0, 3, 5, 1, 4, 2)
+# fields of the live bar, most needed first: loss, a preference objective's rewards, throughput, memory, the rest
+_FIT_ORDER = (0, 6, 3, 5, 1, 4, 2)
 
 
 def _fit(fields: list[str], budget: int) -> str:
@@ -93,6 +95,18 @@ def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _preference_field(v: dict[str, float]) -> str:
+    """A preference objective's rewards on the console line: accuracy, margin (and KTO's KL); '' for lm."""
+    parts = []
+    if "rewards/accuracies" in v:
+        parts.append(f"acc {v['rewards/accuracies']:.0%}")
+    if "rewards/margins" in v:
+        parts.append(f"margin {v['rewards/margins']:.3g}")
+    if "kl" in v:
+        parts.append(f"kl {v['kl']:.3g}")
+    return " ".join(parts)
 
 
 class MetricsLog:
@@ -180,7 +194,7 @@ class MetricsLog:
         fields = [f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
                   f"gnorm {v['grad_norm']:.3g}" if "grad_norm" in v else "", tokens,
                   f"MFU {v['mfu']:.1%}" if "mfu" in v else f"{v['tflops_per_device']:.2f} TFLOP/s",
-                  f"mem {v['memory_gib']:.2f} GiB"]
+                  f"mem {v['memory_gib']:.2f} GiB", _preference_field(v)]
         if self.progress is not None:
             # the live bar is one line: what does not fit the terminal goes, least needed first
             steps = len(str(self.max_steps))

@@ -27,6 +27,11 @@ from dstrain.errors import Problem, UserError, require_package
 PANELS = (
     ("loss", "Loss", "loss", [("loss", "train"), ("eval_loss", "eval")], False),
     ("lr", "Learning rate", "lr", [("lr", "")], False),
+    ("rewards", "Preference rewards (beta x log-ratio)", "reward", [("rewards/chosen", "chosen"),
+                                                                  ("rewards/rejected", "rejected"),
+                                                                  ("rewards/margins", "margin")], False),
+    ("accuracy", "Preference accuracy (chosen reward > rejected)", "fraction of pairs",
+     [("rewards/accuracies", "train"), ("eval_rewards/accuracies", "eval")], False),
     ("grad_norm", "Gradient norm (before clipping)", "global L2 norm", [("grad_norm", "")], True),
     ("throughput", "Throughput", "tokens/s", [("tokens_per_s", "all positions"), ("real_tokens_per_s", "real (non-pad)")],
      False),
