@@ -112,7 +112,7 @@ class PreferenceObjective:
 
     # --- log-probs ---------------------------------------------------------------------------------------
 
-    def _targets(self, batch: dict, prefix: str = "", every_token: bool = False):
+    def targets_of(self, batch: dict, prefix: str = "", every_token: bool = False):
         """(targets aligned with the logits, segment id per position) of the rows under `prefix` ("" or
         "kl_"): the completions' tokens, or with `every_token` each example's tokens after its first."""
         ids, examples = batch[prefix + "input_ids"], batch[prefix + "example_ids"]
@@ -135,7 +135,7 @@ class PreferenceObjective:
         """(summed log-probs, token counts) per segment of the policy (or the reference), plus the
         per-token log-probs and segment ids (ORPO reads them again)."""
         count = int(batch["desirable"].shape[0])
-        targets, segments = self._targets(batch, prefix, every_token)
+        targets, segments = self.targets_of(batch, prefix, every_token)
         if reference:
             logps = self._reference_logps(model, batch, targets, prefix)
         else:
@@ -165,7 +165,7 @@ class PreferenceObjective:
                               cpo_alpha=self.sft_weight)
         else:  # orpo: one pass scores every token; the completions' sums and the chosen rows' NLL come from it
             every, every_counts, logps = self._sums(model, batch, every_token=True)
-            _, segments = self._targets(batch)
+            _, segments = self.targets_of(batch)
             sums, counts = pl.segment_logps(logps, segments, int(batch["desirable"].shape[0]))
             chosen_nll = -every[:pairs].sum() / every_counts[:pairs].sum()
             out = pl.orpo_loss(sums[:pairs], sums[pairs:], counts[:pairs], counts[pairs:], chosen_nll, beta=self.beta)
