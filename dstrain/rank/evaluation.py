@@ -238,13 +238,18 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int
     result = evaluate(engine, config, eval_sampler, device)
     loss = result.loss
     if rank == 0:
+        lm = config.train.objective == "lm"  # a preference objective's loss is no log-likelihood: no perplexity
         record = {"step": checkpoint.step, "tag": checkpoint.tag, "eval_loss": loss,
-                  "perplexity": math.exp(loss) if loss < 700 else None,  # exp overflows: JSON has no inf
+                  "perplexity": math.exp(loss) if lm and loss < 700 else None,  # exp overflows: JSON has no inf
                   "eval_batches": config.train.eval_batches, **coverage(result),  # as the train loop counts them
-                  "world_size": world, "checkpoint": str(Path(checkpoint.directory) / checkpoint.tag)}
+                  **result.metrics, "world_size": world,
+                  "checkpoint": str(Path(checkpoint.directory) / checkpoint.tag)}
         write_atomic(Path(launch.output), json.dumps(record, indent=2) + "\n")
         perplexity = f"{record['perplexity']:.3f}" if record["perplexity"] is not None else "overflow"
-        print(f"step {checkpoint.step} ({checkpoint.tag}): eval loss {loss:.4f}, perplexity {perplexity} "
+        said = (f"perplexity {perplexity}" if lm else
+                f"train.objective {config.train.objective}, reward margin "
+                f"{result.metrics.get('eval_rewards/margins', float('nan')):.4f}")
+        print(f"step {checkpoint.step} ({checkpoint.tag}): eval loss {loss:.4f}, {said} "
               f"over {describe(result)}; written to {launch.output}", flush=True)
     dist.barrier()
     return 0

@@ -191,7 +191,8 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: rundir.LaunchInfo
         facts = data_facts(train_sampler)
         if facts:
             metrics.run_facts.update(facts)
-            metrics.console.print(f"data: {facts['train_examples']:,} examples in {facts['train_rows']:,} rows of "
+            units = {"lm": "examples", "kto": "examples"}.get(config.train.objective, "pairs")
+            metrics.console.print(f"data: {facts['train_examples']:,} {units} in {facts['train_rows']:,} rows of "
                                   f"{config.data.seq_len} tokens ({'packed' if facts['packed'] else 'one per row'}): "
                                   f"packing efficiency {facts['packing_efficiency']:.1%} (real tokens / row tokens)",
                                   soft_wrap=True)
