@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dstrain.config.preference import dpo_loss_terms
+from dstrain.config.preference import DEFAULT_LOSS, dpo_loss_terms
 from dstrain.config.schema import RunConfig
 from dstrain.errors import UserError
 from dstrain.models import preference_loss as pl
@@ -101,8 +101,7 @@ class PreferenceObjective:
         self.objective = config.train.objective
         self.mode = p.reference
         self.beta, self.label_smoothing = p.beta, p.label_smoothing
-        self.loss = p.loss if p.loss is not None else {"dpo": "sigmoid", "simpo": "simpo", "kto": "kto"}.get(
-            self.objective)
+        self.loss = p.loss if p.loss is not None else DEFAULT_LOSS.get(self.objective)
         if self.objective == "dpo":
             self.dpo_names, self.dpo_weights = dpo_loss_terms(self.loss, p.loss_weights, p.sft_weight)
         self.sft_weight, self.simpo_gamma = p.sft_weight, p.simpo_gamma
@@ -132,8 +131,8 @@ class PreferenceObjective:
             return self.reference(LogpsRequest(ids, positions, targets))
 
     def _sums(self, model, batch, prefix="", every_token=False, grad=True, reference=False):
-        """(summed log-probs, token counts) per segment of the policy (or the reference), plus the
-        per-token log-probs and segment ids (ORPO reads them again)."""
+        """(summed log-probs, token counts, per-token log-probs) of the rows under `prefix`, from the policy
+        (without gradient where `grad` is False) or the reference; ORPO reads the per-token ones again."""
         count = int(batch["desirable"].shape[0])
         targets, segments = self.targets_of(batch, prefix, every_token)
         if reference:
