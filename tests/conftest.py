@@ -1,6 +1,9 @@
 """Shared test setup: tests import their helpers (tests/launcher.py) by module name; a one-rank process group."""
 
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,10 +38,32 @@ def transformers_missing(monkeypatch):
 # (launch_count.py): CI's time is mostly rank start-ups, so a new feature's tests share runs.
 _LANE_SECONDS = {"fast lane (not integration)": 0.0, "launcher lane (integration)": 0.0}
 _LAUNCHES = LaunchCounter()
+_OP_BUILD: subprocess.Popen | None = None
+_OP_BUILD_LOG = Path(tempfile.gettempdir()) / f"dstrain-tests-build-ops-{os.getpid()}.log"
 
 
 def pytest_sessionstart(session):
     _LAUNCHES.start()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Modules without launcher tests first, each module's tests kept together and in order (module fixtures
+    are set up once): the fast lane's failures show in its first minutes, and the op builds started below
+    run beside it."""
+    launches = {item.module.__name__ for item in items if item.get_closest_marker("integration")}
+    items.sort(key=lambda item: item.module.__name__ in launches)
+
+
+def pytest_collection_finish(session):
+    """Where the session will start ranks, build DeepSpeed's CPU ops now, in the background (scripts/build_ops.py):
+    the fast lane leaves a core free for it on a 2-core machine."""
+    global _OP_BUILD
+    launching = [item for item in session.items if item.get_closest_marker("integration")]
+    if launching and not session.config.option.collectonly:
+        nvme = ["--nvme"] if any("nvme" in item.nodeid for item in launching) else []
+        with open(_OP_BUILD_LOG, "w") as log:
+            _OP_BUILD = subprocess.Popen([sys.executable, "-m", "scripts.build_ops", *nvme],
+                                         cwd=Path(__file__).parent, stdout=log, stderr=subprocess.STDOUT)
 
 
 def pytest_runtest_protocol(item, nextitem):
@@ -51,6 +76,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
+    if _OP_BUILD is not None and _OP_BUILD.poll() is None:
+        _OP_BUILD.wait(timeout=900)  # never killed mid-build: torch's build lock would stay behind
     _LAUNCHES.stop()
     if _LAUNCHES.over_budget() and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -61,6 +88,10 @@ def pytest_terminal_summary(terminalreporter):
     for lane, seconds in _LANE_SECONDS.items():
         if seconds:
             terminalreporter.write_line(f"{lane}: {seconds:.0f} s ({seconds / 60:.1f} min) of test time")
+    if _OP_BUILD is not None:  # what the background build did (scripts/build_ops.py prints one line an op)
+        said = [line for line in _OP_BUILD_LOG.read_text().splitlines() if line.endswith((" s", "here"))]
+        terminalreporter.write_line(f"DeepSpeed ops built beside the fast lane (exit {_OP_BUILD.returncode}): "
+                                    + ("; ".join(said) or "none"))
     for line in _LAUNCHES.report():
         terminalreporter.write_line(line)
 

@@ -191,6 +191,7 @@ def _deepspeed_private_uses(name: str, private_names: set[str]) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_only_the_speedups_package_reads_deepspeeds_private_names():
     private_names = _deepspeed_private_names()
     uses = {name: _deepspeed_private_uses(name, private_names) for name in MODULES}

@@ -186,6 +186,7 @@ STARTUP_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_presets_and_help_never_import_torch_or_deepspeed():
     """`config` may (DeepSpeed's own config models give its verdict, issue 38); presets and --help may not."""
     out = subprocess.run([sys.executable, "-c", STARTUP_PROBE], capture_output=True, text=True, cwd=REPO,

@@ -193,6 +193,7 @@ def _check_user_error(err: UserError) -> None:
 @given(file=config_files(), sets=st.just([]) | set_items, world=st.integers(1, 16),
        accelerator=st.sampled_from(["cuda", "cpu"]),
        env_file=st.none() | st.none() | st.none() | config_files(deepspeed | anything))
+@pytest.mark.slow
 def test_any_config_file_resolves_or_raises_a_user_error(workdir, file, sets, world, accelerator, env_file):
     suffix, content = file
     path = workdir / f"run{suffix}"
@@ -215,6 +216,7 @@ def test_any_config_file_resolves_or_raises_a_user_error(workdir, file, sets, wo
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=run_configs().map(lambda d: {k: v for k, v in d.items() if k in ("model", "data", "train", "deepspeed")}),
        world=st.integers(1, 8), preset=st.none() | st.sampled_from(available()))
+@pytest.mark.slow
 def test_well_formed_yaml_with_real_sections_resolves_or_raises_a_user_error(workdir, data, world, preset):
     path = workdir / "real.yaml"
     path.write_bytes(_yaml(data))

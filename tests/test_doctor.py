@@ -307,6 +307,7 @@ def test_main_json_writes_only_json_to_stdout(capsys):
     assert report["nvme"]["explicit"] is False
 
 
+@pytest.mark.slow
 def test_fresh_process_json_mode_keeps_deepspeed_warnings_off_stdout():
     # The first deepspeed import logs to stdout; only a fresh process shows it.
     code = "import sys; from dstrain.tools.doctor import main; sys.exit(main(json_output=True, nvme_path=None))"

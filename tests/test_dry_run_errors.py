@@ -109,6 +109,7 @@ def test_fp16_on_cpu_ranks_is_refused_or_planned_as_deepspeeds_cpu_accelerator_s
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["typo_deep_offload_key.yaml", "model_module_import_fails.yaml", "../garbage.bin"])
 def test_the_installed_command_agrees(name, tmp_path):
     """The same through the real `dstrain` executable, with an explicit --run-dir that must not appear."""

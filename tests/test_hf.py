@@ -115,6 +115,7 @@ def test_weights_that_do_not_fit_the_config_name_the_keys(llama_dir, tmp_path):
         raise_if_incomplete(report, "here", "fix")
 
 
+@pytest.mark.slow
 def test_stage3_loading_and_export_fit_other_model_families():
     """Qwen2 (biases), Gemma (tied head), GPT-NeoX (saved under a legacy name) through the ZeRO-3
     loader and back out through the hf folder writer, in a one-rank process group of their own."""

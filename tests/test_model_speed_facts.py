@@ -190,6 +190,7 @@ def test_the_estimate_counts_whole_blocks_on_every_gpu():
     assert whole.gpu_bytes_per_gpu - sharded.gpu_bytes_per_gpu == 2 * (persistent - persistent // 2)
 
 
+@pytest.mark.slow
 def test_counting_the_model_before_launch_does_not_import_torch_dynamo():
     code = ("import sys; from dstrain.models import count_model; from dstrain.models.gpt import GPT; "
             "print(count_model(lambda: GPT(256, 32, 64, 2, 2))[0], 'torch._dynamo' in sys.modules)")

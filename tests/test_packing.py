@@ -284,6 +284,7 @@ EVAL_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 def test_evaluation_covers_every_held_out_row_once_and_weighs_every_label_alike():
     """One real engine: rows that do not fill the last micro batch still count once each, and the eval
     loss is the mean over all held-out labels; train.eval_batches=1 takes the first global batch."""
@@ -321,6 +322,7 @@ CHECKPOINTED_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 def test_the_built_in_gpt_packs_under_deepspeeds_activation_checkpointing():
     """The document mask travels through DeepSpeed's checkpoint with each block: the same loss and
     gradients as without recomputation."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from launcher import dstrain
 
 P, N = 7e9, 8
@@ -16,6 +18,7 @@ def _estimate_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_estimate_7b_on_8_gpus_lists_six_presets_within_the_zero_paper_band():
     report = _estimate_json("--params", "7e9", "--gpus", "8", "--nodes", "1", "--gpu-mem", "80")
     presets = {p["name"]: p for p in report["presets"]}
@@ -34,6 +37,7 @@ def test_estimate_7b_on_8_gpus_lists_six_presets_within_the_zero_paper_band():
     assert report["recommended"] in presets
 
 
+@pytest.mark.slow
 def test_estimate_recommends_the_fastest_preset_that_fits():
     roomy = _estimate_json("--params", "1e8", "--gpus", "1", "--gpu-mem", "80", "--cpu-mem", "512")
     assert roomy["recommended"] == "stage1"
@@ -42,6 +46,7 @@ def test_estimate_recommends_the_fastest_preset_that_fits():
     assert "fastest" in tight["reason"]
 
 
+@pytest.mark.slow
 def test_estimate_prefers_stage3_to_cpu_offload_where_stage_1_and_2_do_not_fit():
     """Measured on one GPU, stage 3 runs 2-3x stage2_offload's speed (docs/benchmarks.md): a 4B model on one
     80 GiB GPU fits stage 3 and stage2_offload but not stage 1/2, and stage 3 is the recommendation."""
@@ -53,6 +58,7 @@ def test_estimate_prefers_stage3_to_cpu_offload_where_stage_1_and_2_do_not_fit()
     assert "faster presets do not: stage1" in report["reason"] and "stage2_offload" not in report["reason"]
 
 
+@pytest.mark.slow
 def test_run_preset_auto_picks_a_preset_and_says_why():
     result = dstrain("run", "--preset", "auto", "--accelerator", "cpu", "--gpus", "1", "--dry-run")
     assert result.returncode == 0, result.stderr

@@ -591,17 +591,20 @@ def run_fails_before_launch(run_dir: Path | str) -> str:
     return done.stderr
 
 
+@pytest.mark.slow
 def test_run_dir_under_proc_is_refused_clearly():
     message = run_fails_before_launch("/proc/1/dstrain-run")
     assert "--run-dir /proc/1/dstrain-run: cannot write the run directory" in message
 
 
+@pytest.mark.slow
 def test_run_dir_that_is_a_file_is_refused_clearly(tmp_path):
     path = tmp_path / "run"
     path.write_text("not a directory")
     assert f"--run-dir {path}: is a file, not a directory" in run_fails_before_launch(path)
 
 
+@pytest.mark.slow
 def test_read_only_run_dir_is_refused_clearly(tmp_path):
     mount = tmp_path / "ro"
     mount.mkdir()

@@ -138,6 +138,7 @@ def test_report_without_matplotlib_exits_2_naming_the_extra(tmp_path, monkeypatc
     assert "matplotlib is not installed" in result.output and "pip install 'dstrain[report]'" in result.output
 
 
+@pytest.mark.slow
 def test_report_imports_neither_torch_nor_deepspeed(tmp_path):
     run = write_run(tmp_path / "run")
     code = ("import sys; from typer.testing import CliRunner; from dstrain.cli import app; "

@@ -65,6 +65,7 @@ def test_the_global_batch_counts_data_parallel_ranks_and_deepspeed_is_told_the_d
     assert resolved.ds_config["sequence_parallel_size"] == 2
 
 
+@pytest.mark.slow
 def test_config_command_exits_2_before_anything_starts():
     result = dstrain("config", "--preset", "stage2", "--gpus", "2", "--accelerator", "cpu",
                      "--set", "train.sequence_parallel=4")

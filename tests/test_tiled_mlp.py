@@ -121,6 +121,7 @@ ONE_STEP = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_tiled_mlp_trains_as_the_whole_mlp_under_zero(tmp_path, stage):
     """ZeRO reduces each MLP gradient once, after the last shard (TiledMLP's ds_grad_is_ready), and at
@@ -163,6 +164,7 @@ def test_tiled_mlp_true_is_refused_where_it_cannot_apply():
     assert auto.config.train.tiled_mlp is False and "frozen weights" in auto.sources["train.tiled_mlp"]
 
 
+@pytest.mark.slow
 def test_config_command_exits_2_naming_the_keys():
     from launcher import dstrain
     result = dstrain("config", "--preset", "stage2", "--accelerator", "cpu", "--set", "train.tiled_mlp=true",

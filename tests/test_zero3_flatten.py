@@ -29,6 +29,7 @@ def _assert_same(out: dict, device: str) -> None:
     assert ours["masters"] == theirs["masters"] and any(m != 0.0 for m in ours["masters"])
 
 
+@pytest.mark.slow
 def test_partitions_flattened_in_place_give_the_same_buffer_views_and_training():
     _assert_same(run_script("zero3_flatten", {}), "cpu")
 
