@@ -248,7 +248,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int
         perplexity = f"{record['perplexity']:.3f}" if record["perplexity"] is not None else "overflow"
         said = (f"perplexity {perplexity}" if lm else
                 f"train.objective {config.train.objective}, reward margin "
-                f"{result.metrics.get('eval_rewards/margins', float('nan')):.4f}")
+                f"{result.metrics.get('eval_rewards/margins', result.metrics.get('eval_margin', float('nan'))):.4f}")
         print(f"step {checkpoint.step} ({checkpoint.tag}): eval loss {loss:.4f}, {said} "
               f"over {describe(result)}; written to {launch.output}", flush=True)
     dist.barrier()
