@@ -137,15 +137,12 @@ def test_run_dry_run_stops_before_any_rank_and_accepts_good_preference_data(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "pairs.jsonl"]  # no run directory
 
 
-def test_run_refuses_the_reward_objective_until_the_loop_trains_reward_models(tmp_path, monkeypatch):
+def test_run_starts_reward_models_and_refuses_only_the_precomputed_reference(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.delenv(ENV_DEEPSPEED_CONFIG, raising=False)
     from dstrain.launcher.job import _refuse_untrained
-    with pytest.raises(UserError) as caught:
-        _refuse_untrained(resolved("train.objective=reward", "data.format=preference", "model.name=hf:x"), dry_run=False)
-    assert "does not train reward models yet" in str(caught.value)
-    _refuse_untrained(resolved("train.objective=reward", "data.format=preference", "model.name=hf:x"), dry_run=True)
+    _refuse_untrained(resolved("train.objective=reward", "data.format=preference", "model.name=hf:x"), dry_run=False)
     _refuse_untrained(resolved(*PREFERENCE), dry_run=False)  # dpo trains
     with pytest.raises(UserError) as caught:
         _refuse_untrained(resolved(*PREFERENCE, "preference.reference=precomputed"), dry_run=False)

@@ -29,12 +29,6 @@ CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 # Objective "kto" is TRL's KTOTrainer: unpaired completions, each desirable or not.
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
-# The objectives dstrain's training loop runs (dstrain.models.preference). "reward" is configured, checked
-# and its data prepared (config, data preview, run --dry-run), but `dstrain run` refuses to start it until
-# the loop trains a scalar head (issue 52), rather than train it as something else.
-TRAINED_OBJECTIVES = ("lm", "dpo", "simpo", "orpo", "kto")
-NOT_TRAINED_YET = ("the training loop does not train reward models yet (issue 52): `dstrain run` refuses to "
-                   "start it; `dstrain config`, `dstrain data preview` and `run --dry-run` check it")
 # preference.reference modes the loop computes; "precomputed" is refused by `dstrain run` for now.
 NOT_IMPLEMENTED_REFERENCES = ("precomputed",)
 NOT_IMPLEMENTED_REFERENCE = ("preference.reference precomputed (the reference's log-probs computed once before "
