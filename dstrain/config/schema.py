@@ -210,7 +210,7 @@ class TrainConfig(Section):
     "preference" (the preference section sets it up): "dpo" (DPO and its variants, preference.loss),
     "simpo" (SimPO / CPO, no reference model), "orpo" (ORPO, no reference model), "kto" (KTO on
     completions labelled desirable or not) or "reward" (a reward model: an "hf:" model with a scalar
-    head, Bradley-Terry loss: not trained yet, refused by `dstrain run`). The losses are TRL 1.16's
+    head, Bradley-Terry loss: AutoModelForSequenceClassification). The losses are TRL 1.16's
     (dstrain/models/preference_loss.py); docs/preference.md."""
     micro_batch_size: PositiveInt = 8
     """Sequences per rank per forward pass (DeepSpeed's train_micro_batch_size_per_gpu)."""
