@@ -10,7 +10,8 @@ dstrain/data/preference.py) to `PreferenceObjective`, which
 - sums them per completion (shift_segment_ids, segment_logps);
 - computes the reference's log-probs without gradient: the same module under peft's disable_adapter()
   ("adapters_off"), or a frozen copy of the starting weights set by the rank as `reference` ("model"),
-  called through its module so that ZeRO-3's hooks gather its partitions;
+  called through its module so that ZeRO-3's hooks gather its partitions; DPO with "precomputed" reads
+  each pair's sums from the batch (ref_chosen, ref_rejected: dstrain.rank.precomputed);
 - returns the objective's loss: the batch's mean per pair (KTO: per example), as TRL computes it for one
   micro batch. The train loop weights it by the batch's share of the step's pairs (see dstrain.rank.loop).
 The batch's metrics (TRL's names) are kept in `last_metrics` as (value, weight) for the loop to average.
@@ -175,7 +176,12 @@ class PreferenceObjective:
         if self.objective == "reward":
             return self._reward(model, batch, pairs)
         if self.objective == "dpo":
-            ref, _, _ = self._sums(model, batch, reference=True)  # first, as TRL: the policy's graph then follows
+            if self.mode == "precomputed":  # computed once before training (dstrain.rank.precomputed)
+                if "ref_chosen" not in batch:
+                    raise RuntimeError("preference.reference precomputed: the batch carries no ref_chosen")
+                ref = torch.cat((batch["ref_chosen"], batch["ref_rejected"])).float()
+            else:
+                ref, _, _ = self._sums(model, batch, reference=True)  # first, as TRL: the policy's graph then follows
             sums, counts, _ = self._sums(model, batch)
             out = pl.dpo_loss(sums[:pairs], sums[pairs:], ref[:pairs], ref[pairs:], loss_type=list(self.dpo_names),
                               loss_weights=list(self.dpo_weights), beta=self.beta,
