@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dstrain.config.layers import PRESET_RANK, Merged
 from dstrain.config.preference import (DEFAULT_LOSS, LOSS_TYPES, NOT_IMPLEMENTED_REFERENCE,
-                                       NOT_IMPLEMENTED_REFERENCES, OBJECTIVES_WITHOUT_REFERENCE,
+                                       OBJECTIVES_WITHOUT_REFERENCE, PRECOMPUTED_OBJECTIVES,
                                        READ_BY, auto_reference, check_beta, check_label_smoothing,
                                        check_loss_types)
 from dstrain.config.schema import RunConfig
@@ -49,7 +49,8 @@ def check_objective(config: RunConfig, merged: Merged, problems: list[Problem], 
             problems.append(Problem(str(err), where("preference.beta"),
                                     "e.g. preference.beta: 0.1 (TRL's default; SimPO's recipes use 2-10)"))
     _resolve_reference(config, merged, problems, notes)
-    if pref.reference in NOT_IMPLEMENTED_REFERENCES and objective not in OBJECTIVES_WITHOUT_REFERENCE:
+    if (pref.reference == "precomputed" and objective not in OBJECTIVES_WITHOUT_REFERENCE
+            and objective not in PRECOMPUTED_OBJECTIVES):
         warnings.append(f"{where('preference.reference')}: {NOT_IMPLEMENTED_REFERENCE}; use adapters_off (LoRA) or "
                         "model")
     if objective != "reward" and not (config.model.name == "gpt" or config.model.name.startswith("hf:")):
