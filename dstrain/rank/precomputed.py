@@ -135,6 +135,7 @@ def write_atomic_npy(path: Path, values: np.ndarray) -> None:
     try:
         with os.fdopen(handle, "wb") as out:
             np.save(out, values)
+        os.chmod(temp, 0o644)  # mkstemp's 0600 would hide the cache from other users of a shared cache_dir
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
