@@ -410,7 +410,7 @@ class PreferenceConfig(Section):
     reference: Literal[REFERENCE_MODES] = "auto"
     """Where the reference log-probs come from (dpo, kto): "adapters_off" (the same model with its LoRA
     adapters switched off: no second copy), "model" (a frozen copy of the starting weights), "precomputed"
-    (the reference's log-probs computed once before training: not implemented yet, refused by `dstrain run`), "none" (simpo, orpo and reward read no
+    (DPO: the reference's log-probs computed once before training and cached, dstrain/rank/precomputed.py; refused for kto), "none" (simpo, orpo and reward read no
     reference). "auto": none where the objective reads none, adapters_off with model.lora, else model."""
     sft_weight: NonNegativeFloat = 0.0
     """Weight of the chosen completions' NLL added to the loss (RPO / MPO): for dpo TRL 1.16's extra "sft"
