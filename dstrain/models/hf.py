@@ -1,4 +1,6 @@
-"""Pretrained Hugging Face causal LMs: `model.name: "hf:<local directory or hub id>"`.
+"""Pretrained Hugging Face causal LMs: `model.name: "hf:<local directory or hub id>"`; with train.objective
+reward the same folder as AutoModelForSequenceClassification with one label (a reward model: the score head
+new, the LM head unused, see REWARD_NEW_KEYS).
 
 Owns: reading the model's config.json through transformers' Auto classes (with the model.kwargs
 options), building the model (stage 3: inside deepspeed.zero.Init, weights copied into the partitions
@@ -461,8 +463,10 @@ def build_pretrained(config: RunConfig, ds_config: dict, device: torch.device) -
         quantized = config.model.lora is not None and config.model.lora.quantize is not None
         if quantized:  # bitsandbytes quantizes while loading, onto this rank's GPU
             build.update(quantization_config=_bnb_config(transformers), device_map={"": device})
+        # a reward model's load report (score new, lm_head unused) is expected: checked below, not printed per rank
+        quiet = _quiet_transformers(transformers) if is_reward(config) else contextlib.nullcontext()
         try:
-            with torch.device(device) if not quantized else contextlib.nullcontext():
+            with torch.device(device) if not quantized else contextlib.nullcontext(), quiet:
                 model, info = auto_class(config).from_pretrained(
                     source_of(config), config=hf_config, output_loading_info=True, **build, **load)
         except (OSError, RuntimeError, ValueError) as err:  # unreadable or mismatched weight files
@@ -480,6 +484,17 @@ def build_pretrained(config: RunConfig, ds_config: dict, device: torch.device) -
             # float weights in fp32; activation checkpointing stays dstrain's choice (train.activation_checkpointing).
             model = require("peft", "model.lora").prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return _wrap(config, model)
+
+
+@contextlib.contextmanager
+def _quiet_transformers(transformers):
+    """transformers' warnings off for the moment of a load, its verbosity restored after."""
+    before = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(before)
 
 
 def _unmatched(keys: list[str], patterns: tuple[str, ...]) -> list[str]:

@@ -103,7 +103,7 @@ def compute(engine, config, samplers, device) -> np.ndarray:
     from dstrain.data.sampler import to_device
     model = engine.module
     groups = len(samplers[0].layout.encoded.groups) - 1
-    values = torch.zeros(groups, 2, dtype=torch.float64, device=device)
+    values = torch.zeros(groups, 3, dtype=torch.float64, device=device)  # chosen, rejected, times seen
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = config.train.micro_batch_size
     was_training = model.training
@@ -122,10 +122,15 @@ def compute(engine, config, samplers, device) -> np.ndarray:
                     ids = torch.from_numpy(sampler.layout.groups_of(sampler.units_of(begin, count))).to(device)
                     values[ids, 0] = sums[:pairs].double()
                     values[ids, 1] = sums[pairs:].double()
+                    values[ids, 2] += 1
     if was_training:
         engine.train()
     dist.all_reduce(values)
-    return values.float().cpu().numpy()
+    for sampler in samplers:  # every pair of the splits once: a pair missed would read a reference of 0
+        wanted = sampler.layout.groups_of([list(range(sampler.layout.count))])
+        if not bool((values[torch.from_numpy(wanted).to(device), 2] == 1).all()):
+            raise RuntimeError("preference.reference precomputed: the pass did not see every pair exactly once")
+    return values[:, :2].float().cpu().numpy()
 
 
 def write_atomic_npy(path: Path, values: np.ndarray) -> None:
