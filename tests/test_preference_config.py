@@ -127,29 +127,28 @@ def test_run_dry_run_stops_before_any_rank_and_accepts_good_preference_data(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs.jsonl"]  # no run directory
     good = CliRunner().invoke(app, base, env={"COLUMNS": "300"})
     assert good.exit_code == 0, good.output
-    # the precomputed reference is not implemented: a dry run warns, a real run refuses before any rank
-    precomputed = [*base, "--set", "preference.reference=precomputed"]
+    # KTO's precomputed reference is not implemented: a dry run warns, a real run refuses before any rank
+    precomputed = [*base, "--set", "train.objective=kto", "--set", "preference.reference=precomputed"]
     warned = CliRunner().invoke(app, precomputed, env={"COLUMNS": "300"})
-    assert warned.exit_code == 0 and "precomputed" in warned.output and "not implemented yet" in warned.output
+    assert warned.exit_code == 0 and "precomputed" in warned.output and "dpo only" in warned.output
     refused = CliRunner().invoke(app, [arg for arg in precomputed if arg != "--dry-run"], env={"COLUMNS": "300"})
     output = " ".join(refused.output.split())
-    assert refused.exit_code == 2 and "preference.reference precomputed" in output and "not implemented yet" in output
+    assert refused.exit_code == 2 and "preference.reference precomputed" in output and "dpo only" in output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "pairs.jsonl"]  # no run directory
 
 
-def test_run_refuses_the_reward_objective_until_the_loop_trains_reward_models(tmp_path, monkeypatch):
+def test_run_starts_reward_models_and_dpos_precomputed_reference_and_refuses_ktos(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.delenv(ENV_DEEPSPEED_CONFIG, raising=False)
     from dstrain.launcher.job import _refuse_untrained
-    with pytest.raises(UserError) as caught:
-        _refuse_untrained(resolved("train.objective=reward", "data.format=preference", "model.name=hf:x"), dry_run=False)
-    assert "does not train reward models yet" in str(caught.value)
-    _refuse_untrained(resolved("train.objective=reward", "data.format=preference", "model.name=hf:x"), dry_run=True)
+    _refuse_untrained(resolved("train.objective=reward", "data.format=preference", "model.name=hf:x"), dry_run=False)
     _refuse_untrained(resolved(*PREFERENCE), dry_run=False)  # dpo trains
+    _refuse_untrained(resolved(*PREFERENCE, "preference.reference=precomputed"), dry_run=False)
     with pytest.raises(UserError) as caught:
-        _refuse_untrained(resolved(*PREFERENCE, "preference.reference=precomputed"), dry_run=False)
-    assert "precomputed" in str(caught.value)
+        _refuse_untrained(resolved(*PREFERENCE, "train.objective=kto", "preference.reference=precomputed"),
+                          dry_run=False)
+    assert "precomputed" in str(caught.value) and "dpo only" in str(caught.value)
 
 
 def test_a_preference_objective_needs_the_built_in_gpt_or_an_hf_model():

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dstrain.config.layers import PRESET_RANK, Merged
 from dstrain.config.preference import (DEFAULT_LOSS, LOSS_TYPES, NOT_IMPLEMENTED_REFERENCE,
-                                       NOT_IMPLEMENTED_REFERENCES, NOT_TRAINED_YET, OBJECTIVES_WITHOUT_REFERENCE,
-                                       READ_BY, TRAINED_OBJECTIVES, auto_reference, check_beta, check_label_smoothing,
+                                       OBJECTIVES_WITHOUT_REFERENCE, PRECOMPUTED_OBJECTIVES,
+                                       READ_BY, auto_reference, check_beta, check_label_smoothing,
                                        check_loss_types)
 from dstrain.config.schema import RunConfig
 from dstrain.errors import Problem
@@ -31,8 +31,6 @@ def check_objective(config: RunConfig, merged: Merged, problems: list[Problem], 
             warnings.append(f"{where('preference')}: ignored with train.objective lm ({', '.join(user_set)} set); "
                             "set train.objective to a preference objective, or remove the section")
         return
-    if objective not in TRAINED_OBJECTIVES:
-        warnings.append(f"{where('train.objective')}: {objective}: {NOT_TRAINED_YET}")
     for key in user_set:
         if objective not in READ_BY[key]:
             warnings.append(f"{where(f'preference.{key}')}: train.objective {objective} does not read it (it is read "
@@ -51,10 +49,11 @@ def check_objective(config: RunConfig, merged: Merged, problems: list[Problem], 
             problems.append(Problem(str(err), where("preference.beta"),
                                     "e.g. preference.beta: 0.1 (TRL's default; SimPO's recipes use 2-10)"))
     _resolve_reference(config, merged, problems, notes)
-    if pref.reference in NOT_IMPLEMENTED_REFERENCES and objective not in OBJECTIVES_WITHOUT_REFERENCE:
+    if (pref.reference == "precomputed" and objective not in OBJECTIVES_WITHOUT_REFERENCE
+            and objective not in PRECOMPUTED_OBJECTIVES):
         warnings.append(f"{where('preference.reference')}: {NOT_IMPLEMENTED_REFERENCE}; use adapters_off (LoRA) or "
                         "model")
-    if objective in TRAINED_OBJECTIVES and not (config.model.name == "gpt" or config.model.name.startswith("hf:")):
+    if objective != "reward" and not (config.model.name == "gpt" or config.model.name.startswith("hf:")):
         problems.append(Problem(f"train.objective {objective} trains the built-in gpt or an \"hf:\" model (it needs "
                                 f"the model's hidden states and LM head); {config.model.name!r} is an entry point",
                                 where("model.name"), "set model.name: gpt or hf:<directory or hub id>"))

@@ -29,16 +29,12 @@ CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 # Objective "kto" is TRL's KTOTrainer: unpaired completions, each desirable or not.
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
-# The objectives dstrain's training loop runs (dstrain.models.preference). "reward" is configured, checked
-# and its data prepared (config, data preview, run --dry-run), but `dstrain run` refuses to start it until
-# the loop trains a scalar head (issue 52), rather than train it as something else.
-TRAINED_OBJECTIVES = ("lm", "dpo", "simpo", "orpo", "kto")
-NOT_TRAINED_YET = ("the training loop does not train reward models yet (issue 52): `dstrain run` refuses to "
-                   "start it; `dstrain config`, `dstrain data preview` and `run --dry-run` check it")
-# preference.reference modes the loop computes; "precomputed" is refused by `dstrain run` for now.
-NOT_IMPLEMENTED_REFERENCES = ("precomputed",)
-NOT_IMPLEMENTED_REFERENCE = ("preference.reference precomputed (the reference's log-probs computed once before "
-                             "training) is not implemented yet (issue 52): `dstrain run` refuses it")
+# preference.reference precomputed (dstrain.rank.precomputed) serves DPO. KTO's KL term scores each completion
+# after another example's prompt of the same micro batch, which changes every epoch: `dstrain run` refuses it.
+PRECOMPUTED_OBJECTIVES = ("dpo",)
+NOT_IMPLEMENTED_REFERENCE = ("preference.reference precomputed is implemented for train.objective dpo only (KTO's KL "
+                             "term pairs completions with other prompts of the same micro batch, which changes "
+                             "every epoch, so it cannot be computed once): `dstrain run` refuses it")
 
 # preference.loss per objective: the names it accepts and the one it takes when preference.loss is unset.
 # ORPO and the reward model have one loss each (no preference.loss).

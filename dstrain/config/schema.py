@@ -210,7 +210,7 @@ class TrainConfig(Section):
     "preference" (the preference section sets it up): "dpo" (DPO and its variants, preference.loss),
     "simpo" (SimPO / CPO, no reference model), "orpo" (ORPO, no reference model), "kto" (KTO on
     completions labelled desirable or not) or "reward" (a reward model: an "hf:" model with a scalar
-    head, Bradley-Terry loss: not trained yet, refused by `dstrain run`). The losses are TRL 1.16's
+    head, Bradley-Terry loss: AutoModelForSequenceClassification). The losses are TRL 1.16's
     (dstrain/models/preference_loss.py); docs/preference.md."""
     micro_batch_size: PositiveInt = 8
     """Sequences per rank per forward pass (DeepSpeed's train_micro_batch_size_per_gpu)."""
@@ -410,7 +410,7 @@ class PreferenceConfig(Section):
     reference: Literal[REFERENCE_MODES] = "auto"
     """Where the reference log-probs come from (dpo, kto): "adapters_off" (the same model with its LoRA
     adapters switched off: no second copy), "model" (a frozen copy of the starting weights), "precomputed"
-    (the reference's log-probs computed once before training: not implemented yet, refused by `dstrain run`), "none" (simpo, orpo and reward read no
+    (DPO: the reference's log-probs computed once before training and cached, dstrain/rank/precomputed.py; refused for kto), "none" (simpo, orpo and reward read no
     reference). "auto": none where the objective reads none, adapters_off with model.lora, else model."""
     sft_weight: NonNegativeFloat = 0.0
     """Weight of the chosen completions' NLL added to the loss (RPO / MPO): for dpo TRL 1.16's extra "sft"

@@ -148,6 +148,14 @@ class PreferenceRows:
         if packed:
             self.items, self.row_offsets = pack_rows(self.unit_lengths, seq_len, seed)
         self.count = len(self.units) - 1  # units in this split
+        self.reference: np.ndarray | None = None
+        """preference.reference precomputed: [groups, 2] fp32, each pair's reference log-prob sums of its chosen
+        and rejected completions (indexed like encoded.groups; set by dstrain.rank.precomputed)."""
+
+    def groups_of(self, unit_groups: list[list[int]]) -> np.ndarray:
+        """The pair (index into encoded.groups) of each unit occurrence of a micro batch, in segment order."""
+        chosen = [int(self.units[u]) for group in unit_groups for u in group]
+        return np.searchsorted(np.asarray(self.encoded.groups), chosen)
 
     def rows(self) -> int:
         """Rows of one pass: packed rows, or one per example."""
@@ -165,7 +173,8 @@ class PreferenceRows:
         """The arrays of one micro batch: `unit_groups`, one list of units per packed row (or, padded, the
         units of the micro batch as one list): input_ids, labels (Hugging Face's, unshifted; -100 on the
         prompt, on each example's first token and on padding), position_ids, example_ids (the segment of each
-        token, -1 on padding), desirable (per segment); for pairs margin (per pair; 0 where none), for KTO the
+        token, -1 on padding), desirable (per segment); for pairs margin (per pair; 0 where none) and, with a
+        precomputed reference, ref_chosen and ref_rejected (per pair), for KTO the
         mismatched rows of its KL term (kl_input_ids, kl_labels, kl_position_ids, kl_example_ids)."""
         enc, offsets = self.encoded, self.encoded.offsets
         # occurrence j of the batch (a unit may come twice, in another epoch's order): its examples and the
@@ -191,9 +200,11 @@ class PreferenceRows:
         arrays = {"input_ids": input_ids, "labels": labels, "position_ids": positions, "example_ids": example_ids,
                   "desirable": np.asarray([bool(enc.desirable[example]) for _, example in by_segment])}
         if self.paired:
-            chosen = [int(self.units[unit]) for unit in occurrences]
-            group_of = np.searchsorted(np.asarray(enc.groups), chosen)
+            group_of = self.groups_of(unit_groups)
             arrays["margin"] = np.nan_to_num(np.asarray(enc.margins, dtype=np.float32)[group_of], nan=0.0)
+            if self.reference is not None:  # the reference's log-prob sums, computed before training
+                arrays["ref_chosen"] = np.ascontiguousarray(self.reference[group_of, 0])
+                arrays["ref_rejected"] = np.ascontiguousarray(self.reference[group_of, 1])
         else:
             arrays.update(self._kl_rows([example for _, example in by_segment]))
         return arrays

@@ -18,8 +18,8 @@ from rich.console import Console
 
 from dstrain import __version__
 from dstrain.checkpoints import find_resume, find_resume_auto
-from dstrain.config.preference import (NOT_IMPLEMENTED_REFERENCE, NOT_IMPLEMENTED_REFERENCES, NOT_TRAINED_YET,
-                                       OBJECTIVES_WITHOUT_REFERENCE, TRAINED_OBJECTIVES)
+from dstrain.config.preference import (NOT_IMPLEMENTED_REFERENCE, OBJECTIVES_WITHOUT_REFERENCE,
+                                       PRECOMPUTED_OBJECTIVES)
 from dstrain.config.resolve import ResolvedConfig, resolve
 from dstrain.console_text import outside
 from dstrain.errors import UserError
@@ -75,15 +75,12 @@ def launch(o: LaunchOptions) -> int:
 
 def _refuse_untrained(resolved: ResolvedConfig, dry_run: bool) -> None:
     """What the loop does not train yet is refused before anything starts (a dry run checks it all): the
-    reward model, and the precomputed reference (issue 52)."""
+    precomputed reference of KTO (issue 52)."""
     if dry_run:
         return
     objective = resolved.config.train.objective
-    if objective not in TRAINED_OBJECTIVES:
-        raise UserError.single(f"train.objective {objective}: {NOT_TRAINED_YET}", "train.objective",
-                               "use train.objective dpo, simpo, orpo or kto (or lm) until reward models are in")
     reference = resolved.config.preference.reference
-    if objective not in OBJECTIVES_WITHOUT_REFERENCE and reference in NOT_IMPLEMENTED_REFERENCES:
+    if reference == "precomputed" and objective not in (*PRECOMPUTED_OBJECTIVES, *OBJECTIVES_WITHOUT_REFERENCE):
         raise UserError.single(NOT_IMPLEMENTED_REFERENCE, "preference.reference",
                                "set preference.reference: adapters_off (with model.lora) or model (a frozen copy), "
                                "or auto")

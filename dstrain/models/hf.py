@@ -1,4 +1,6 @@
-"""Pretrained Hugging Face causal LMs: `model.name: "hf:<local directory or hub id>"`.
+"""Pretrained Hugging Face causal LMs: `model.name: "hf:<local directory or hub id>"`; with train.objective
+reward the same folder as AutoModelForSequenceClassification with one label (a reward model: the score head
+new, the LM head unused, see REWARD_NEW_KEYS).
 
 Owns: reading the model's config.json through transformers' Auto classes (with the model.kwargs
 options), building the model (stage 3: inside deepspeed.zero.Init, weights copied into the partitions
@@ -46,6 +48,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def is_hf(name: str) -> bool:
     return name.startswith(PREFIX)
+
+
+def is_reward(config: RunConfig) -> bool:
+    """train.objective reward: the model is a sequence classifier with one label (a scalar score head)."""
+    return config.train.objective == "reward"
+
+
+def auto_class(config: RunConfig):
+    """transformers' Auto class the run builds: AutoModelForSequenceClassification for a reward model,
+    AutoModelForCausalLM otherwise."""
+    transformers = require("transformers", where(config))
+    return (transformers.AutoModelForSequenceClassification if is_reward(config)
+            else transformers.AutoModelForCausalLM)
+
+
+# A reward model built from a causal LM's weights: its score head is new (initialised as transformers does)
+# and the LM head is not used; every other key must match.
+REWARD_NEW_KEYS = (r"^score\.",)
+REWARD_DROPPED_KEYS = (r"^lm_head\.",)
 
 
 def source_of(config: RunConfig) -> str:
@@ -160,6 +181,22 @@ class CausalLM(nn.Module):
         else:
             logps = preference_loss.token_logps(self.model(**inputs).logits, targets, self.logps_chunk)
         return logps.reshape(shape)
+
+    def scores(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """A reward model's score at every position [rows, T], fp32: the decoder body's hidden states through
+        the score head (rows of packed examples told apart by their position ids, as token_logps). The
+        model's own forward would keep only each row's last score."""
+        inner = _unwrapped(self.model)
+        if not hasattr(inner, "score"):
+            raise RuntimeError(f"{type(inner).__name__} has no score head: train.objective reward builds "
+                               "AutoModelForSequenceClassification")
+        shape = input_ids.shape
+        attention = getattr(self.model.config, "_attn_implementation", None) or ""
+        if attention.startswith("flash"):  # the flash path finds packed examples in one row only
+            input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
+        body = getattr(inner, inner.base_model_prefix)
+        hidden = body(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
+        return inner.score(hidden).squeeze(-1).float().reshape(shape)
 
     def adapters_disabled(self):
         """The context in which the model is its base model (peft's disable_adapter): the reference of
@@ -327,7 +364,35 @@ def load_config(config: RunConfig):
                                f"a key of {_config_file(source)}")
     for key, value in overrides.items():
         setattr(hf_config, key, value)
+    if is_reward(config):
+        _as_reward_config(config, hf_config)
     return hf_config
+
+
+def _as_reward_config(config: RunConfig, hf_config) -> None:
+    """A reward model's config: one label (the scalar score), its architecture the sequence classifier, and
+    pad_token_id set (from the tokenizer: its pad token, else its eos), as transformers' sequence classifiers
+    need it to find a row's last token and TRL sets it."""
+    hf_config.num_labels = 1
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch and arch.endswith("ForCausalLM"):
+        hf_config.architectures = [arch[:-len("ForCausalLM")] + "ForSequenceClassification"]
+    if getattr(hf_config, "pad_token_id", None) is None:
+        hf_config.pad_token_id = _tokenizer_pad_id(config, hf_config)
+
+
+def _tokenizer_pad_id(config: RunConfig, hf_config) -> int | None:
+    from dstrain.data import data_config
+    name = data_config(config).tokenizer or source_of(config)
+    if name == "byte":
+        return getattr(hf_config, "eos_token_id", None)
+    try:
+        from dstrain.data.sources import load_tokenizer
+        tokenizer = load_tokenizer(name)
+    except Exception:  # noqa: BLE001 - no tokenizer to read: the model's eos, as below
+        return getattr(hf_config, "eos_token_id", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else getattr(tokenizer, "eos_token_id", getattr(hf_config, "eos_token_id", None))
 
 
 def _config_file(source: str) -> str:
@@ -340,8 +405,7 @@ def _from_config(config: RunConfig, hf_config) -> nn.Module:
     if build["dtype"] == "auto":
         build["dtype"] = getattr(hf_config, "dtype", None) or torch.float32
     try:
-        return transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=load["trust_remote_code"],
-                                                             **build)
+        return auto_class(config).from_config(hf_config, trust_remote_code=load["trust_remote_code"], **build)
     except ValueError as err:
         raise UserError.single(f"not a causal language model transformers can build: {str(err).splitlines()[0]}",
                                f"{_config_file(source_of(config))}: architectures",
@@ -376,8 +440,15 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 def skeleton_builder(config: RunConfig) -> Callable[[], nn.Module]:
     """Builds the model with random weights (and its adapters): for counting on the meta device."""
     hf_config = load_config(config)
-    return lambda: CausalLM(apply_lora(_from_config(config, hf_config), config.model.lora),
-                            config.train.loss_chunking, config.train.loss_chunk_tokens)
+    return lambda: _wrap(config, _from_config(config, hf_config))
+
+
+def _wrap(config: RunConfig, model: nn.Module) -> "CausalLM":
+    """dstrain's wrapper around the built model and its adapters; a reward model's loss is no LM loss, so
+    no chunked LM head."""
+    chunking = False if is_reward(config) else config.train.loss_chunking
+    return CausalLM(apply_lora(model, config.model.lora, reward=is_reward(config)), chunking,
+                    config.train.loss_chunk_tokens)
 
 
 def build_pretrained(config: RunConfig, ds_config: dict, device: torch.device) -> CausalLM:
@@ -392,22 +463,43 @@ def build_pretrained(config: RunConfig, ds_config: dict, device: torch.device) -
         quantized = config.model.lora is not None and config.model.lora.quantize is not None
         if quantized:  # bitsandbytes quantizes while loading, onto this rank's GPU
             build.update(quantization_config=_bnb_config(transformers), device_map={"": device})
+        # a reward model's load report (score new, lm_head unused) is expected: checked below, not printed per rank
+        quiet = _quiet_transformers(transformers) if is_reward(config) else contextlib.nullcontext()
         try:
-            with torch.device(device) if not quantized else contextlib.nullcontext():
-                model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            with torch.device(device) if not quantized else contextlib.nullcontext(), quiet:
+                model, info = auto_class(config).from_pretrained(
                     source_of(config), config=hf_config, output_loading_info=True, **build, **load)
         except (OSError, RuntimeError, ValueError) as err:  # unreadable or mismatched weight files
             raise UserError.single(f"transformers cannot load the weights: {type(err).__name__}: "
                                    f"{str(err).strip().splitlines()[0]}", where(config),
                                    "check that the folder holds the weights of the model its config.json "
                                    "describes (save_pretrained writes both)") from None
-        _raise_if_not_loaded(config, {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys",
-                                                                                     "mismatched_keys")})
+        info = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if is_reward(config):  # the new score head (transformers initialised it) and the unused LM head
+            info["missing_keys"] = _unmatched(info.get("missing_keys", []), REWARD_NEW_KEYS)
+            info["unexpected_keys"] = _unmatched(info.get("unexpected_keys", []), REWARD_DROPPED_KEYS)
+        _raise_if_not_loaded(config, info)
         if quantized:
             # peft's preparation for a quantized base: every base weight frozen, norms and other small
             # float weights in fp32; activation checkpointing stays dstrain's choice (train.activation_checkpointing).
             model = require("peft", "model.lora").prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    return CausalLM(apply_lora(model, config.model.lora), config.train.loss_chunking, config.train.loss_chunk_tokens)
+    return _wrap(config, model)
+
+
+@contextlib.contextmanager
+def _quiet_transformers(transformers):
+    """transformers' warnings off for the moment of a load, its verbosity restored after."""
+    before = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(before)
+
+
+def _unmatched(keys: list[str], patterns: tuple[str, ...]) -> list[str]:
+    import re
+    return [key for key in keys if not any(re.search(p, key) for p in patterns)]
 
 
 def _bnb_config(transformers):
@@ -460,12 +552,29 @@ def _build_zero3(config: RunConfig, ds_config: dict, hf_config) -> nn.Module:
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # skipped with the initialisation; tied models need it (Gemma, OPT)
     name_for_key = _key_renamer(model)
+    reward = is_reward(config)
     report = load_into(model, weight_files(config), name_for_key, zero3=True,
-                       ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or [],
-                       ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+                       ignore_missing=[*(getattr(model, "_keys_to_ignore_on_load_missing", None) or []),
+                                       *(REWARD_NEW_KEYS if reward else ())],
+                       ignore_unexpected=[*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
+                                          *(REWARD_DROPPED_KEYS if reward else ())])
     raise_if_incomplete(report, where(config), "the weights do not fit config.json's architecture: check that "
                         "config.json and the weight files come from the same model")
+    if reward and not any(name.startswith("score.") for name in report.loaded):
+        init_new_module(model, model.score)
     return model
+
+
+def init_new_module(model: nn.Module, module: nn.Module) -> None:
+    """Initialise `module` (a head the weight files lack) as transformers initialises a missing key: the
+    model's own _init_weights. At ZeRO-3 its partitions are gathered and rank 0's values handed out."""
+    import deepspeed
+    import torch.distributed as dist
+    params = list(module.parameters())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            model._init_weights(module)
 
 
 def _key_renamer(model: nn.Module) -> Callable[[str, set[str]], str | None]:
@@ -530,12 +639,13 @@ def weight_files(config: RunConfig) -> list[Path]:
 # ------------------------------------------------------------------ LoRA
 
 
-def peft_config(lora: LoraConfig):
-    """The peft.LoraConfig of model.lora: each option passed under its peft name (schema.PEFT_ARGUMENTS)."""
+def peft_config(lora: LoraConfig, reward: bool = False):
+    """The peft.LoraConfig of model.lora: each option passed under its peft name (schema.PEFT_ARGUMENTS).
+    A reward model's is peft's SEQ_CLS task, which keeps the new score head trainable (modules_to_save)."""
     peft = require("peft", "model.lora")
     options = {PEFT_ARGUMENTS[key]: getattr(lora, key) for key in PEFT_ARGUMENTS}
     options["modules_to_save"] = options["modules_to_save"] or None
-    return peft.LoraConfig(task_type="CAUSAL_LM", **options)
+    return peft.LoraConfig(task_type="SEQ_CLS" if reward else "CAUSAL_LM", **options)
 
 
 def linear_layers(model: nn.Module) -> list[str]:
@@ -571,12 +681,12 @@ def _check_module_names(model: nn.Module, lora: LoraConfig) -> None:
         raise UserError(problems)
 
 
-def apply_lora(model: nn.Module, lora: LoraConfig | None) -> nn.Module:
+def apply_lora(model: nn.Module, lora: LoraConfig | None, reward: bool = False) -> nn.Module:
     """The model with LoRA adapters (peft), base weights frozen; unchanged without model.lora."""
     if lora is None:
         return model
     peft = require("peft", "model.lora")
-    config = peft_config(lora)
+    config = peft_config(lora, reward)
     _check_module_names(model, lora)
     try:
         return peft.get_peft_model(model, config)
@@ -637,8 +747,10 @@ def save_source(config: RunConfig, run_dir: Path) -> None:
     if config.data.chat_template is not None and uses_template(config.data):
         # the template the run trained in goes with the exports, so `generate --chat` talks in it
         (target / "chat_template.jinja").write_text(named_or_file(config.data.chat_template), encoding="utf-8")
+    if is_reward(config):  # the export is a sequence classifier: one label, its architecture, pad_token_id
+        load_config(config).save_pretrained(target)
     if config.model.lora is not None:  # for `--format peft`: the adapters' peft config, naming the base model
-        adapter = peft_config(config.model.lora)
+        adapter = peft_config(config.model.lora, is_reward(config))
         adapter.base_model_name_or_path = str(source.resolve()) if source.is_dir() else source_of(config)
         adapter.save_pretrained(str(target))
 

@@ -10,7 +10,8 @@ dstrain/data/preference.py) to `PreferenceObjective`, which
 - sums them per completion (shift_segment_ids, segment_logps);
 - computes the reference's log-probs without gradient: the same module under peft's disable_adapter()
   ("adapters_off"), or a frozen copy of the starting weights set by the rank as `reference` ("model"),
-  called through its module so that ZeRO-3's hooks gather its partitions;
+  called through its module so that ZeRO-3's hooks gather its partitions; DPO with "precomputed" reads
+  each pair's sums from the batch (ref_chosen, ref_rejected: dstrain.rank.precomputed);
 - returns the objective's loss: the batch's mean per pair (KTO: per example), as TRL computes it for one
   micro batch. The train loop weights it by the batch's share of the step's pairs (see dstrain.rank.loop).
 The batch's metrics (TRL's names) are kept in `last_metrics` as (value, weight) for the loop to average.
@@ -38,7 +39,9 @@ PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 # The metrics each objective logs (a fixed list, so that ranks can add them up in one all-reduce).
 METRICS = {"dpo": PAIR_METRICS, "simpo": (*PAIR_METRICS, "nll_loss"),
            "orpo": (*PAIR_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"),
-           "kto": ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl")}
+           "kto": ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl"),
+           # reward_loss's names (TRL's RewardTrainer); min/max are no means over pairs, so not averaged here
+           "reward": ("accuracy", "margin", "mean_reward")}
 SUPPORTED = tuple(METRICS)
 
 
@@ -78,13 +81,32 @@ def attach(model: nn.Module, config: RunConfig) -> None:
         raise UserError.single(f"train.objective {objective} is not trained by dstrain's loop yet",
                                "train.objective", f"use one of {', '.join(SUPPORTED)}")
     chunk = config.train.loss_chunk_tokens
-    if hasattr(model, "enable_logps"):  # the built-in GPT, an hf: CausalLM
+    if objective == "reward":  # a score head, no log-probs (config.objective refuses anything but hf: models)
+        if not hasattr(model, "scores"):
+            raise UserError.single("train.objective reward trains an hf: model (a sequence classifier)",
+                                   "model.name", "use model.name: hf:<directory or hub id>")
+    elif hasattr(model, "enable_logps"):  # the built-in GPT, an hf: CausalLM
         model.enable_logps(chunk)
     else:
         raise UserError.single(f"train.objective {objective} trains the built-in gpt or an hf: model; "
                                f"{config.model.name!r} is an entry point", "model.name",
                                "use model.name: gpt or hf:<directory or hub id>")
     model.preference = PreferenceObjective(config)
+
+
+def last_token_values(values: torch.Tensor, example_ids: torch.Tensor, labels: torch.Tensor,
+                      num_segments: int) -> torch.Tensor:
+    """values [rows, T] at each segment's last labelled token [num_segments]: a reward model's score of a
+    completion is read where the completion ends (TRL: the last token that is not padding; here a packed
+    row's segments each at their own end)."""
+    segments = torch.where(labels != IGNORE_INDEX, example_ids, -1).reshape(-1)
+    keep = segments >= 0
+    at = torch.arange(segments.numel(), device=segments.device)
+    last = torch.full((num_segments,), -1, dtype=torch.long, device=segments.device)
+    last = last.scatter_reduce(0, segments[keep].long(), at[keep], reduce="amax")
+    if bool((last < 0).any()):
+        raise RuntimeError("a completion of the batch has no labelled token")
+    return values.reshape(-1)[last]
 
 
 def units_in(batch: dict) -> int:
@@ -106,6 +128,7 @@ class PreferenceObjective:
             self.dpo_names, self.dpo_weights = dpo_loss_terms(self.loss, p.loss_weights, p.sft_weight)
         self.sft_weight, self.simpo_gamma = p.sft_weight, p.simpo_gamma
         self.kto_weights = (p.kto_desirable_weight, p.kto_undesirable_weight)
+        self.center_rewards_coefficient = p.center_rewards_coefficient
         self.reference: nn.Module | None = None
         self.last_metrics: dict[str, tuple[torch.Tensor, float]] = {}
 
@@ -150,8 +173,15 @@ class PreferenceObjective:
         if self.objective == "kto":
             return self._kto(model, batch)
         pairs = units_in(batch)
+        if self.objective == "reward":
+            return self._reward(model, batch, pairs)
         if self.objective == "dpo":
-            ref, _, _ = self._sums(model, batch, reference=True)  # first, as TRL: the policy's graph then follows
+            if self.mode == "precomputed":  # computed once before training (dstrain.rank.precomputed)
+                if "ref_chosen" not in batch:
+                    raise RuntimeError("preference.reference precomputed: the batch carries no ref_chosen")
+                ref = torch.cat((batch["ref_chosen"], batch["ref_rejected"])).float()
+            else:
+                ref, _, _ = self._sums(model, batch, reference=True)  # first, as TRL: the policy's graph then follows
             sums, counts, _ = self._sums(model, batch)
             out = pl.dpo_loss(sums[:pairs], sums[pairs:], ref[:pairs], ref[pairs:], loss_type=list(self.dpo_names),
                               loss_weights=list(self.dpo_weights), beta=self.beta,
@@ -169,6 +199,16 @@ class PreferenceObjective:
             chosen_nll = -every[:pairs].sum() / every_counts[:pairs].sum()
             out = pl.orpo_loss(sums[:pairs], sums[pairs:], counts[:pairs], counts[pairs:], chosen_nll, beta=self.beta)
         self.last_metrics = {name: (out.metrics[name], float(pairs)) for name in METRICS[self.objective]}
+        return out.loss
+
+    def _reward(self, model: nn.Module, batch: dict, pairs: int) -> torch.Tensor:
+        """Bradley-Terry on the scores at each completion's last token (its eos), with the pairs' margins (0
+        where a pair has none, which is the loss without one) and center_rewards_coefficient."""
+        rewards = last_token_values(model.scores(batch["input_ids"], batch["position_ids"]), batch["example_ids"],
+                                    batch["labels"], 2 * pairs)
+        out = pl.reward_loss(rewards[:pairs], rewards[pairs:], batch["margin"].to(rewards.dtype),
+                             self.center_rewards_coefficient)
+        self.last_metrics = {name: (out.metrics[name], float(pairs)) for name in METRICS["reward"]}
         return out.loss
 
     def _kto(self, model: nn.Module, batch: dict) -> torch.Tensor:

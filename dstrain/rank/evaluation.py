@@ -222,12 +222,14 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int
     seed_everything(config.train.seed)
 
     from dstrain.rank.preference import rng_state, set_up_reference
-    _, eval_sampler = build_samplers(config)
+    train_sampler, eval_sampler = build_samplers(config)
     policy_rng = rng_state()
     model = build_model(config, ds_config, device)
     # The run's own DeepSpeed config, optimizer included: ZeRO keeps the fp32 weights in the
     # optimizer's partitions, and loading them is what makes the evaluated weights the trained ones.
     engine = initialize_engine(model, ds_config, config.speedups, sequence_parallel_mpu(model, config, ds_config))
+    from dstrain.rank.precomputed import attach_reference
+    attach_reference(engine, config, ds_config, (train_sampler, eval_sampler), device)  # before the checkpoint loads
     checkpoint = launch.resume
     path, _ = engine.load_checkpoint(checkpoint.directory, tag=checkpoint.tag, load_optimizer_states=False,
                                      load_lr_scheduler_states=False)
@@ -248,7 +250,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int
         perplexity = f"{record['perplexity']:.3f}" if record["perplexity"] is not None else "overflow"
         said = (f"perplexity {perplexity}" if lm else
                 f"train.objective {config.train.objective}, reward margin "
-                f"{result.metrics.get('eval_rewards/margins', float('nan')):.4f}")
+                f"{result.metrics.get('eval_rewards/margins', result.metrics.get('eval_margin', float('nan'))):.4f}")
         print(f"step {checkpoint.step} ({checkpoint.tag}): eval loss {loss:.4f}, {said} "
               f"over {describe(result)}; written to {launch.output}", flush=True)
     dist.barrier()

@@ -98,12 +98,14 @@ def _duration(seconds: float) -> str:
 
 
 def _preference_field(v: dict[str, float]) -> str:
-    """A preference objective's rewards on the console line: accuracy, margin (and KTO's KL); '' for lm."""
+    """A preference objective's rewards on the console line: accuracy, margin (and KTO's KL); '' for lm. A
+    reward model logs them as "accuracy" and "margin" (reward_loss's names)."""
     parts = []
-    if "rewards/accuracies" in v:
-        parts.append(f"acc {v['rewards/accuracies']:.0%}")
-    if "rewards/margins" in v:
-        parts.append(f"margin {v['rewards/margins']:.3g}")
+    accuracy, margin = v.get("rewards/accuracies", v.get("accuracy")), v.get("rewards/margins", v.get("margin"))
+    if accuracy is not None:
+        parts.append(f"acc {accuracy:.0%}")
+    if margin is not None:
+        parts.append(f"margin {margin:.3g}")
     if "kl" in v:
         parts.append(f"kl {v['kl']:.3g}")
     return " ".join(parts)

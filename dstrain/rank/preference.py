@@ -119,6 +119,8 @@ def set_up_reference(model, config, ds_config: dict, device, policy_rng: dict) -
         how = ("partitioned like the policy (ZeRO-3, a second engine without optimizer)" if zero3 else
                "a whole replica on every rank (ZeRO 0-2)")
         return f"preference: train.objective {config.train.objective}, reference: a frozen copy of the starting weights, {how}"
+    if mode == "precomputed":
+        return None  # dstrain.rank.precomputed attaches it and says where it came from
     if mode == "adapters_off":
         return (f"preference: train.objective {config.train.objective}, reference: the same model with its LoRA "
                 "adapters switched off")

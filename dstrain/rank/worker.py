@@ -174,6 +174,10 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: rundir.LaunchInfo
     if config.model.lora is not None and rank == 0:
         _record_lora_layers(run_dir, model)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    from dstrain.rank.precomputed import attach_reference
+    precomputed = attach_reference(engine, config, ds_config, (train_sampler, eval_sampler), device)  # starting weights
+    if precomputed and rank == 0:
+        print(precomputed, flush=True)
     resume = launch.resume
     restored = _restore(engine, resume, rank, world) if resume else None
     start_step = int(restored["step"]) if restored else 0

@@ -1,5 +1,6 @@
 """`convert-checkpoint --format hf` and `train.export_final: hf`: a folder that transformers'
-`AutoModelForCausalLM.from_pretrained` loads.
+`AutoModelForCausalLM.from_pretrained` loads (a reward model's: `AutoModelForSequenceClassification`, as
+the config.json in hf_source/ names it).
 
 The checkpoint is first consolidated to one fp32 safetensors file by the ordinary streaming converter
 (bounded RAM), inside a temporary folder next to OUTPUT. Its keys are then renamed to the model's own
@@ -51,12 +52,21 @@ class HfExport:
     dtype: str
     tag: str
     notes: list[str] = field(default_factory=list)
+    auto_class: str = "AutoModelForCausalLM"
 
     def summary(self) -> str:
         lines = [f"wrote {self.folder} ({self.num_tensors} tensors in {self.dtype}, {len(self.files)} weight file(s), "
                  f"from {self.tag}" + (f", {self.merged_lora} LoRA adapters merged" if self.merged_lora else "") + ")",
-                 f"load it with: AutoModelForCausalLM.from_pretrained({str(self.folder)!r})"]
+                 f"load it with: {self.auto_class}.from_pretrained({str(self.folder)!r})"]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def auto_class_name(config: dict) -> str:
+    """The Auto class that loads the export: a reward model's config.json (train.objective reward) names a
+    sequence classifier, every other one a causal LM."""
+    architecture = (config.get("architectures") or [""])[0]
+    return ("AutoModelForSequenceClassification" if architecture.endswith("ForSequenceClassification")
+            else "AutoModelForCausalLM")
 
 
 @dataclass
@@ -135,7 +145,8 @@ def write_folder(weights: Path, source_dir: Path, folder: Path, dtype: str,
     outs, notes = _plan(weights, lora, DTYPES[dtype], source_dir)
     files = _write_shards(weights, outs, split_into_shards([o.tensor for o in outs], limit), folder)
     _copy_model_files(source_dir, folder, dtype)
-    return HfExport(folder, files, len(outs), sum(1 for o in outs if o.lora), dtype, weights.name, notes)
+    auto = auto_class_name(json.loads((source_dir / "config.json").read_text()))
+    return HfExport(folder, files, len(outs), sum(1 for o in outs if o.lora), dtype, weights.name, notes, auto)
 
 
 def own_key(key: str) -> str:
@@ -184,7 +195,7 @@ def _match_model(outs: list[_Out], source_dir: Path) -> list[str]:
         import transformers
         config = transformers.AutoConfig.from_pretrained(source_dir)
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = getattr(transformers, auto_class_name(config.to_dict())).from_config(config)
     except Exception as err:  # noqa: BLE001 - e.g. a remote-code model: export by name, unchecked
         return [f"names not checked against the model ({type(err).__name__}: {str(err).splitlines()[0]})"]
     aliases: dict[int, list[str]] = {}
