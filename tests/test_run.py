@@ -32,8 +32,9 @@ def _assert_saved_by_two_ranks(first, run_dir: Path, preset: str, step: int) -> 
     # ZeRO-3 without offload trains with dstrain's step (speedups/zero3_step.py), and rank 0 says so once
     assert first.stdout.count("ZeRO-3, dstrain's changes: the step's release") == (1 if preset == "stage3" else 0)
     # the offload presets' activation checkpointing is "auto": off for the tiny model in host RAM, said once
+    # (stage2_offload and stage3_offload switch it on here: they are the speed layer's runs too)
     auto_off = "activation checkpointing off: the run without it is estimated at"
-    assert first.stdout.count(auto_off) == (1 if preset in ("stage3_offload", "stage3_nvme") else 0)
+    assert first.stdout.count(auto_off) == (1 if preset == "stage3_nvme" else 0)
 
     tag = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert tag == f"step{step:08d}"
@@ -55,17 +56,54 @@ def _assert_resumed(resumed, run_dir: Path, saved: int, last: int) -> None:
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{last:08d}"
 
 
+# The offload presets' runs are also the speed layer's bit-identity runs (test_offload_step_in_chunks_...):
+# bf16, DeepSpeed's activation checkpointing and accumulation over two micro steps, with dstrain's changes on.
+OFFLOAD_SETS = ("train.lr=3e-3", "train.precision=bf16", "train.activation_checkpointing=true",
+                "train.grad_accum_steps=2")
+# dstrain's offload changes on (forced: auto keeps the sums and kept weights to CUDA), or DeepSpeed's own path
+OFFLOAD_CHANGES = {"on": {"DSTRAIN_OFFLOAD_CHUNKS": "4096", "DSTRAIN_OFFLOAD_GRADS": "on",
+                          "DSTRAIN_OFFLOAD_ACCUMULATE": "on", "DSTRAIN_OFFLOAD_KEEP_WEIGHTS": "on"},
+                   "off": {"DSTRAIN_OFFLOAD_CHUNKS": "off", "DSTRAIN_OFFLOAD_GRADS": "off",
+                           "DSTRAIN_OFFLOAD_ACCUMULATE": "off", "DSTRAIN_OFFLOAD_KEEP_WEIGHTS": "off"}}
+
+
+def _preset_sets(preset: str, run_dir: Path) -> tuple[str, ...]:
+    offload = OFFLOAD_SETS if preset in ("stage2_offload", "stage3_offload") else ()
+    return (*offload, *_nvme_sets(preset, run_dir))
+
+
+@pytest.fixture(scope="module")
+def preset_runs(tmp_path_factory):
+    """preset -> (a copy of the run dir as the first run left it, the first run: steps 1-4 saving 2 and 4, its
+    logged (step, loss, gradient norm), the run dir resumed to 6, the resumed run), launched on first use."""
+    runs = {}
+
+    def run(preset: str):
+        if preset not in runs:
+            run_dir = tmp_path_factory.mktemp(preset) / preset
+            env = OFFLOAD_CHANGES["on"] if preset in ("stage2_offload", "stage3_offload") else None
+            sets = ("train.save_every=2", "train.log_every=1", *_preset_sets(preset, run_dir))
+            first = run_tiny(run_dir, preset, "train.max_steps=4", *sets, env=env)
+            assert_ok(first)
+            saved = run_dir.parent / "saved"
+            shutil.copytree(run_dir, saved)
+            steps = [(row["step"], row["loss"], row.get("grad_norm")) for row in _rows(run_dir) if "loss" in row]
+            resumed = run_tiny(run_dir, preset, "train.max_steps=6", *sets, resume="latest", env=env)
+            runs[preset] = SimpleNamespace(saved=saved, first=first, steps=steps, run_dir=run_dir, resumed=resumed)
+        return runs[preset]
+    return run
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 # stage2 is checked on the stage2 runs the resume tests below share (test_stage2_preset_...).
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "stage2"])
-def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(tmp_path, preset):
-    run_dir = tmp_path / preset
-    sets = ("train.max_steps=4", "train.save_every=2", "train.log_every=1", *_nvme_sets(preset, run_dir))
-    first = run_tiny(run_dir, preset, *sets)
-    _assert_saved_by_two_ranks(first, run_dir, preset, step=4)
-
-    resumed = run_tiny(run_dir, preset, "train.max_steps=6", "train.save_every=2", "train.log_every=1",
-                       *_nvme_sets(preset, run_dir), resume="latest")
-    _assert_resumed(resumed, run_dir, saved=4, last=6)
+def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(preset_runs, preset):
+    runs = preset_runs(preset)
+    _assert_saved_by_two_ranks(runs.first, runs.saved, preset, step=4)
+    _assert_resumed(runs.resumed, runs.run_dir, saved=4, last=6)
 
 
 # A constant schedule after warmup: a cosine decay would (rightly) change shape with max_steps.
@@ -81,52 +119,56 @@ def stage2_straight(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stage2_runs(tmp_path_factory, stage2_straight):
-    """The stage2 runs of the next three tests, launched once for all three (a launch costs ~12 s, and CI's
-    oldest-DeepSpeed lane runs these tests again): `interrupted` trains steps 1-8 on 2 ranks (saving 4 and
-    8) and resumes to 12; `saved` is a copy of it as its first run left it; `one` is another copy, resumed
-    to 12 by 1 rank (accum 2: the same global batch); `straight` trains 1-12 in one go."""
+def stage2_interrupted(tmp_path_factory):
+    """stage2 steps 1-8 on 2 ranks (saving 4 and 8), then resumed to 12; `saved` is a copy of the run dir as the
+    first run left it (a launch costs ~12 s; each piece is launched only when a test asks, so CI's
+    oldest-DeepSpeed lane, which runs two of the tests below, starts no more than they read)."""
     root = tmp_path_factory.mktemp("stage2")
-    interrupted, saved, one = (root / name for name in ("interrupted", "saved", "one"))
+    interrupted, saved = root / "interrupted", root / "saved"
     first = run_tiny(interrupted, "stage2", "train.max_steps=8", *STAGE2_SETS)
     assert_ok(first)
     shutil.copytree(interrupted, saved)
-    shutil.copytree(interrupted, one)
     resumed = run_tiny(interrupted, "stage2", "train.max_steps=12", *STAGE2_SETS, resume="latest")
-    resumed_by_one = run_tiny(one, "stage2", "train.max_steps=12", "train.grad_accum_steps=2", *STAGE2_SETS,
-                              resume="latest", gpus=1)
-    straight, straight_run = stage2_straight
-    return SimpleNamespace(first=first, saved=saved, interrupted=interrupted, resumed=resumed, one=one,
-                           resumed_by_one=resumed_by_one, straight=straight, straight_run=straight_run)
+    return SimpleNamespace(first=first, saved=saved, interrupted=interrupted, resumed=resumed)
+
+
+@pytest.fixture(scope="module")
+def stage2_resumed_by_one(stage2_interrupted):
+    """A copy of the saved run (steps 1-8 on 2 ranks), resumed to 12 by 1 rank (accum 2: the same global batch)."""
+    one = stage2_interrupted.saved.parent / "one"
+    shutil.copytree(stage2_interrupted.saved, one)
+    resumed = run_tiny(one, "stage2", "train.max_steps=12", "train.grad_accum_steps=2", *STAGE2_SETS,
+                       resume="latest", gpus=1)
+    return one, resumed
 
 
 @pytest.mark.oldest_deepspeed
-def test_stage2_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(stage2_runs):
+def test_stage2_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(stage2_interrupted):
     """test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks for stage2: saved at 8, resumed to 12."""
-    _assert_saved_by_two_ranks(stage2_runs.first, stage2_runs.saved, "stage2", step=8)
-    _assert_resumed(stage2_runs.resumed, stage2_runs.interrupted, saved=8, last=12)
+    _assert_saved_by_two_ranks(stage2_interrupted.first, stage2_interrupted.saved, "stage2", step=8)
+    _assert_resumed(stage2_interrupted.resumed, stage2_interrupted.interrupted, saved=8, last=12)
 
 
 @pytest.mark.oldest_deepspeed
-def test_resumed_run_continues_exactly_like_an_uninterrupted_one(stage2_runs):
-    assert_ok(stage2_runs.resumed)
-    assert_ok(stage2_runs.straight_run)
-    a, b = losses(stage2_runs.interrupted), losses(stage2_runs.straight)
+def test_resumed_run_continues_exactly_like_an_uninterrupted_one(stage2_interrupted, stage2_straight):
+    straight, straight_run = stage2_straight
+    assert_ok(stage2_interrupted.resumed)
+    assert_ok(straight_run)
+    a, b = losses(stage2_interrupted.interrupted), losses(straight)
     assert sorted(a) == list(range(1, 13))
     for step in range(9, 13):
         assert a[step] == pytest.approx(b[step], rel=1e-3), (step, a[step], b[step])
     assert b[12] < b[1]  # it learns
 
 
-@pytest.mark.oldest_deepspeed
-def test_resume_with_another_world_size_goes_through_a_universal_checkpoint(stage2_runs):
+def test_resume_with_another_world_size_goes_through_a_universal_checkpoint(stage2_interrupted, stage2_resumed_by_one):
     """Saved by 2 ranks, resumed by 1 (same global batch: accum 2) and by 2: both continue alike."""
-    resumed = stage2_runs.resumed_by_one
+    one, resumed = stage2_resumed_by_one
     assert_ok(resumed)
-    assert_ok(stage2_runs.resumed)
+    assert_ok(stage2_interrupted.resumed)
     assert "universal checkpoint" in resumed.stdout
-    assert (stage2_runs.one / "universal" / "step00000008").is_dir()
-    a, b = losses(stage2_runs.one), losses(stage2_runs.interrupted)
+    assert (one / "universal" / "step00000008").is_dir()
+    a, b = losses(one), losses(stage2_interrupted.interrupted)
     for step in range(9, 13):
         assert a[step] == pytest.approx(b[step], rel=1e-4), (step, a[step], b[step])
 
@@ -169,31 +211,25 @@ def test_save_checkpoints_false_trains_and_evaluates_but_writes_no_checkpoint(tm
 
 
 @pytest.mark.parametrize("preset", ["stage2_offload", "stage3_offload"])
-def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(tmp_path, preset):
+def test_offload_step_in_chunks_trains_exactly_as_deepspeeds_step_on_two_ranks(tmp_path, preset_runs, preset):
     """dstrain/speedups/offload_chunked_step.py (ZeRO-1/2, with bf16 gradients on the host), offload_chunked_step_zero3.py,
     offload_grads_zero3.py, offload_accumulate_zero3.py, offload_overlap_zero3.py and offload_keep_weights.py against
     DeepSpeed's own step and gradient copies (DSTRAIN_OFFLOAD_CHUNKS=off, DSTRAIN_OFFLOAD_GRADS=off), two ranks each
     updating its partition in 4,096-element chunks, accumulating over two micro steps on the device
     (offload_accumulate_zero12 and _zero3; ZeRO-3: beside the next forward, the weights kept through each window,
-    and saving a checkpoint after the last step): the same losses and gradient
-    norms, bit for bit."""
-    sets = ("train.max_steps=5", "train.log_every=1", "train.save_every=5", "train.lr=3e-3")
-    sets += ("train.precision=bf16",)  # bf16 weights: the gradients go to the host in bf16
-    sets += ("train.activation_checkpointing=true",)  # DeepSpeed's checkpointing under offload, too
-    sets += ("train.grad_accum_steps=2",)  # the sums on the device, forced on (auto keeps them to CUDA)
-    runs = {}
-    said = {}
-    for name, chunks, grads in (("chunked", "4096", "on"), ("deepspeed", "off", "off")):
-        run_dir = tmp_path / name
-        env = {"DSTRAIN_OFFLOAD_CHUNKS": chunks, "DSTRAIN_OFFLOAD_GRADS": grads, "DSTRAIN_OFFLOAD_ACCUMULATE": grads,
-               "DSTRAIN_OFFLOAD_KEEP_WEIGHTS": grads}
-        result = run_tiny(run_dir, preset, *sets, env=env)
-        assert_ok(result)
-        said[name] = [line for line in result.stdout.splitlines() if "CPU offload, dstrain's changes" in line]
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = [(row["step"], row["loss"], row.get("grad_norm")) for row in rows if "loss" in row]
-    assert len(runs["chunked"]) == 5 and all(norm for _, _, norm in runs["chunked"])
-    assert runs["chunked"] == runs["deepspeed"]
+    and saving a checkpoint mid-run and after the last step): the same losses and gradient norms, bit for bit.
+    The run with dstrain's changes is the preset test's first run (preset_runs)."""
+    runs = preset_runs(preset)
+    first, chunked = runs.first, runs.steps
+    run_dir = tmp_path / "deepspeed"
+    result = run_tiny(run_dir, preset, "train.max_steps=4", "train.save_every=4", "train.log_every=1",
+                      *_preset_sets(preset, run_dir), env=OFFLOAD_CHANGES["off"])
+    assert_ok(result)
+    theirs = [(row["step"], row["loss"], row.get("grad_norm")) for row in _rows(run_dir) if "loss" in row]
+    said = {name: [line for line in run.stdout.splitlines() if "CPU offload, dstrain's changes" in line]
+            for name, run in (("chunked", first), ("deepspeed", result))}
+    assert len(chunked) == 4 and all(norm for _, _, norm in chunked)
+    assert chunked == theirs
     # rank 0 says what it changed, once; the switches take the step and the ZeRO-3 copies back to DeepSpeed
     assert len(said["chunked"]) == 1 and "optimizer step in chunks" in said["chunked"][0]
     assert ("gradients sent to the host once, in bf16" in said["chunked"][0]) is (preset == "stage3_offload")
