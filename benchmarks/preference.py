@@ -16,7 +16,7 @@ What it builds (in --work, reused when there):
   truncates anything. The text is real (Python's standard-library sources, cut at the sampled lengths by
   benchmarks/make_instruction_data.py's `cut`); the token lengths are measured with the tokenizer and reported.
 
-Rows, each a fresh process, the same data, initial weights, bf16, lr, constant schedule after 2 warm-up steps,
+Rows, each a fresh process, the same data, initial weights, bf16, lr, a constant lr from the first step (no warm-up),
 AdamW (betas 0.9/0.999, no weight decay, clip 1.0), DPO sigmoid loss with beta 0.1, and the same global batch,
 --global-pairs pairs a step (default 16):
   dstrain-z3-full-packed       ZeRO-3 full fine-tune, preference.reference model (a live frozen copy), whole
@@ -86,7 +86,7 @@ LORA_R, LORA_ALPHA = sft.LORA_R, sft.LORA_ALPHA
 LR_FULL, LR_LORA = 5e-6, 5e-5
 BETA = 0.1
 EVAL_FRACTION = 0.02
-WARMUP_LR_STEPS = 2
+WARMUP_LR_STEPS = 0
 TRL_MICRO_PAIRS = 4
 
 
@@ -121,6 +121,7 @@ def make_pairs(directory: Path, pairs: int, seq_len: int, chars_per_token: float
     from transformers import AutoTokenizer
 
     rng = np.random.default_rng(seed)
+    wanted, pairs = pairs, pairs + pairs // 20 + 8  # some spare: pairs whose tokens overrun the row are left out
 
     def lognormal(median_sigma, n):
         median, sigma = median_sigma
@@ -143,13 +144,20 @@ def make_pairs(directory: Path, pairs: int, seq_len: int, chars_per_token: float
                for key, n in (("prompt", prompt[i]), ("chosen", chosen[i]), ("rejected", rejected[i]))}
         row["prompt"] += "\n"  # a token boundary: the prompt's tokens are a prefix of prompt + completion's (TRL)
         rows.append(row)
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "pairs.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     p = [len(x) for x in tokenizer([r["prompt"] for r in rows])["input_ids"]]  # with <s>
     c = [len(x) + 1 for x in tokenizer([r["chosen"] for r in rows], add_special_tokens=False)["input_ids"]]  # + </s>
     r = [len(x) + 1 for x in tokenizer([r["rejected"] for r in rows], add_special_tokens=False)["input_ids"]]
+    # the text's characters per token vary (code, tables): a pair that overruns the row in real tokens is left
+    # out, so that dstrain neither cuts nor drops a pair and row i of the file is pair i of dstrain's data
+    fits = [i for i in range(len(rows)) if 2 * p[i] + c[i] + r[i] <= seq_len - 8]
+    keep = fits[:wanted]
+    left_out = keep[-1] + 1 - len(keep)  # overrunning pairs among the rows up to the last one kept
+    rows, p, c, r = [rows[i] for i in keep], [p[i] for i in keep], [c[i] for i in keep], [r[i] for i in keep]
+    pairs = len(rows)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "pairs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     pair = np.asarray([2 * a + b + d for a, b, d in zip(p, c, r)])
     from dstrain.data.binpack import pack_rows
     _, offsets = pack_rows(pair, seq_len, seed)
@@ -160,7 +168,7 @@ def make_pairs(directory: Path, pairs: int, seq_len: int, chars_per_token: float
                "rejected_tokens_mean": float(np.mean(r)), "pair_tokens_mean": float(pair.mean()),
                "pair_tokens_p50_p90_p99_max": [int(np.percentile(pair, q)) for q in (50, 90, 99, 100)],
                "example_tokens_p50_p90_p99_max": [example[int(q * (len(example) - 1))] for q in (0.5, 0.9, 0.99, 1)],
-               "pairs_over_seq_len": int((pair > seq_len).sum()),
+               "pairs_over_seq_len": int((pair > seq_len).sum()), "overrunning_pairs_left_out": left_out,
                "pairs_per_packed_row": pairs / (len(offsets) - 1),
                "packed_row_fill": float(pair.sum()) / ((len(offsets) - 1) * seq_len),
                "padded_row_fill": float(np.mean(example)) / seq_len}
@@ -302,7 +310,7 @@ def trl_child(spec_path: Path) -> None:
                                  task_type="CAUSAL_LM")
     config = DPOConfig(output_dir=spec["output_dir"], per_device_train_batch_size=spec["micro"],
                        gradient_accumulation_steps=spec["accum"], max_steps=spec["steps"], learning_rate=spec["lr"],
-                       lr_scheduler_type="constant_with_warmup", warmup_steps=WARMUP_LR_STEPS, max_length=spec["seq_len"],
+                       lr_scheduler_type="constant", warmup_steps=WARMUP_LR_STEPS, max_length=spec["seq_len"],
                        beta=BETA, loss_type=["sigmoid"], logging_steps=1, save_strategy="no", report_to="none",
                        gradient_checkpointing=spec["gc"], bf16=spec["cuda"], seed=spec["seed"], disable_tqdm=True,
                        use_cpu=not spec["cuda"], dataloader_drop_last=True,
@@ -426,6 +434,13 @@ def curves(rows: list[dict], first: int = 30) -> str:
             continue
         out.append(f"{r['name']:36} loss " + " ".join(f"{x:.4f}" for x in r["losses"][:first]))
         out.append(f"{'':36} acc  " + " ".join("  -   " if x is None else f"{x:.3f} " for x in r["accuracies"][:first]))
+    by_name = {r["name"]: r for r in rows}
+    unpacked = by_name.get("dstrain-z3-full-unpacked", {})
+    for peer in ("trl-z3-full-nogc", "trl-z3-full-gc"):  # the same pairs in the same micro batches: the same log-probs
+        if unpacked.get("logps_chosen") and by_name.get(peer, {}).get("logps_chosen"):
+            out.append(f"same order check, logps/chosen steps 1-3: dstrain-z3-full-unpacked "
+                       f"{[round(x, 1) for x in unpacked['logps_chosen'][:3]]}, {peer} "
+                       f"{[round(x, 1) for x in by_name[peer]['logps_chosen'][:3]]}")
     return "\n".join(out)
 
 
