@@ -1,6 +1,7 @@
 """GPU benchmark: DPO on preference pairs, dstrain against TRL 1.16's DPOTrainer (issue 52, item 9).
 
-    source benchmarks/gpu_env.sh && python3 benchmarks/preference.py --out $OUT    # one H100, ~10 minutes
+    source benchmarks/gpu_env.sh && python3 benchmarks/preference.py --out $OUT    # one H200: ~14 minutes for all rows
+    (a 10-minute device call runs the first four rows: --budget skips the rest; then --rows the others)
     python3 benchmarks/preference.py --rows 'trl-*' --out /tmp/o                   # a partial re-run
     python3 benchmarks/preference.py --tiny --out /tmp/o                           # CPU smoke run (dstrain rows)
 
