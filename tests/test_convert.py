@@ -114,8 +114,9 @@ def files_in(directory: Path) -> list[str]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("checkpoint", [pytest.param(name, marks=pytest.mark.oldest_deepspeed) for name in TWO_RANK_RUNS]
-                         + list(ONE_RANK_RUNS), indirect=True)  # the oldest DeepSpeed: stages 1-3 in one launch
+# Not in CI's oldest-DeepSpeed lane: DeepSpeed 0.18.9 under torch 2.13 fails the fixture's stage-1 step
+# ("Output 0 of Split is a view and is being modified inplace", in all_gather_dp_groups; CI, 2026-11-28).
+@pytest.mark.parametrize("checkpoint", [*TWO_RANK_RUNS, *ONE_RANK_RUNS], indirect=True)
 def test_fp32_output_is_bitwise_the_live_engines_weights(checkpoint, tmp_path):
     checkpoint_dir, reference = checkpoint
     output = tmp_path / "model.safetensors"
