@@ -74,3 +74,42 @@ def built_ops(folder: Path) -> list[str]:
     if not folder.is_dir():
         return []
     return sorted(d.name for d in folder.iterdir() if d.is_dir() and (d / f"{d.name}.so").is_file())
+
+
+def remember_cpu_info(folder: Path) -> None:
+    """Answer py-cpuinfo's `get_cpu_info()` from a file in the op cache `folder`, written by the first
+    process that asks on this machine since it booted.
+
+    DeepSpeed asks it twice for every op it loads (march and SIMD flags), and each answer is a fresh
+    Python subprocess: about 1 s of CPU, 3 to 6 times per rank start on CPU ranks (comm op, Adam).
+    The CPU does not change while the machine runs, so the file is keyed by host name and boot id (a
+    home folder shared by several nodes keeps one file per node). Without py-cpuinfo, or without a boot
+    id, nothing changes."""
+    try:
+        import cpuinfo
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except (ImportError, OSError):
+        return
+    if getattr(cpuinfo.get_cpu_info, "remembered", False):
+        return
+    import socket
+    record = folder / f"cpu_info-{socket.gethostname()}-{boot_id}.json"
+    ask = cpuinfo.get_cpu_info
+
+    def get_cpu_info() -> dict:
+        try:
+            return json.loads(record.read_text())
+        except (OSError, ValueError):
+            pass
+        info = ask()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+            partial.write_text(json.dumps(info))
+            partial.replace(record)  # whole or absent, for a rank reading it at the same moment
+        except OSError:
+            pass
+        return info
+
+    get_cpu_info.remembered = True
+    cpuinfo.get_cpu_info = get_cpu_info

@@ -446,6 +446,9 @@ class SpeedupsConfig(Section):
     second copy (off: through host memory, as DeepSpeed does)."""
     cuda_stream: bool = True
     """CUDA: DeepSpeed's accelerator looks the current stream up by device index."""
+    muon_lazy_compile: bool = True
+    """DeepSpeed's Muon module (imported at every engine build, whatever the optimizer) imported with its
+    kernels compiled at their first call: no TorchInductor import in a run that does not use Muon."""
     cpu_adam_nogil: bool = True
     """CPU offload: build DeepSpeed's CPU Adam kernel with dstrain's GIL-free binding (JIT, once per
     machine), which offload_overlap, offload_host_rounding and bf16 offload_grads need."""

@@ -117,10 +117,11 @@ def take_node_settings(env: dict, accelerator: str) -> None:
     but pdsh, mpirun and srun pass other nodes only some variables, and a node's own environment may say
     otherwise: the run directory decides, the same on every node. Likewise the op cache: without
     TORCH_EXTENSIONS_DIR a node's DeepSpeed builds its ops into torch's shared folder, where another Python
-    environment's builds of the same names replace them (each start rebuilds); one the node sets is kept."""
-    from dstrain.op_cache import use_private_op_cache
+    environment's builds of the same names replace them (each start rebuilds); one the node sets is kept.
+    DeepSpeed's questions about the CPU are answered once per machine (op_cache.remember_cpu_info)."""
+    from dstrain.op_cache import remember_cpu_info, use_private_op_cache
     env["DS_ACCELERATOR"] = accelerator
-    use_private_op_cache(env, accelerator)
+    remember_cpu_info(use_private_op_cache(env, accelerator))
 
 
 def run(run_dir: Path, caught: list[str], previous_handlers: dict) -> int:

@@ -12,8 +12,8 @@ from typing import Any
 
 from dstrain.speedups import (cpu_adam_nogil, cuda_stream, offload_accumulate_zero3, offload_accumulate_zero12,
                               offload_chunked_step, offload_chunked_step_zero3, offload_fetch_wait, offload_grads_zero3,
-                              offload_keep_weights, offload_overlap_zero3, offload_syncs, zero3_flatten, zero3_grads,
-                              zero3_step, zero3_unhook)
+                              offload_keep_weights, offload_overlap_zero3, offload_syncs, muon_lazy_compile,
+                              zero3_flatten, zero3_grads, zero3_step, zero3_unhook)
 from dstrain.speedups.state import SpeedupState, ensure_state
 
 # The DeepSpeed releases on which every change's bit-identity tests passed (tests/test_zero3_step.py,
@@ -97,6 +97,10 @@ REGISTRY: tuple[Speedup, ...] = (
     Speedup("cuda_stream", ("deepspeed.accelerator.cuda_accelerator.CUDA_Accelerator.current_stream",),
             "cuda_stream", cuda_stream.applies, lambda engine, settings, state: cuda_stream.installed(),
             "the current stream looked up by device index", "CUDA", phase=ENGINE_BUILD),
+    Speedup("muon_lazy_compile", ("deepspeed.runtime.compiler.compile (while DeepSpeed's Muon module is imported)",),
+            "muon_lazy_compile", muon_lazy_compile.applies,
+            lambda engine, settings, state: muon_lazy_compile.muon_imported_lazily(),
+            "Muon's kernels compiled at first use, not at import", "Engine build", phase=ENGINE_BUILD),
     Speedup("cpu_adam_nogil", ("deepspeed.ops.adam.DeepSpeedCPUAdam.ds_opt_adam (its binding, for dstrain's updates)",),
             "cpu_adam_nogil", cpu_adam_nogil.applies,
             lambda engine, settings, state: cpu_adam_nogil.install(engine, state),

@@ -1,0 +1,100 @@
+"""What a rank's start costs before its first step: DeepSpeed's Muon module imported without
+TorchInductor (dstrain/speedups/muon_lazy_compile.py) and py-cpuinfo asked once per machine
+(dstrain/op_cache.py remember_cpu_info). Measured figures are in docs/performance.md, "Start-up"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def test_a_lazily_compiled_function_is_compiled_once_at_its_first_call(monkeypatch):
+    from dstrain.speedups.muon_lazy_compile import compiled_at_first_call
+
+    compiled = []
+    real_compile = torch.compile
+
+    def recording_compile(function, **kwargs):
+        compiled.append(function)
+        return real_compile(function, backend="eager")  # the same graph, run eagerly: no C++ build here
+
+    def newton_step(x):
+        return 1.5 * x - 0.5 * x @ x.T @ x
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    lazy = compiled_at_first_call(newton_step)
+    assert compiled == [] and lazy.__wrapped__ is newton_step and lazy.__name__ == "newton_step"
+    x = torch.randn(4, 4)
+    assert torch.equal(lazy(x), newton_step(x))
+    assert torch.equal(lazy(2 * x), newton_step(2 * x))
+    assert compiled == [newton_step]  # compiled at the first call only
+
+
+@pytest.mark.slow
+def test_deepspeeds_muon_module_imports_without_inductor_and_the_optimizer_check_answers_as_before():
+    """In a fresh interpreter: the module DeepSpeed imports at every engine build comes in without
+    TorchInductor, and DeepSpeed's own check then gives its answers (Muon's class is on its list)."""
+    script = """
+import json, os, sys, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import deepspeed
+deepspeed.init_distributed(dist_backend="gloo")  # the check asks the process group for this rank
+from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
+from dstrain.speedups.muon_lazy_compile import MUON_MODULES, applies, muon_imported_lazily
+before = applies()
+with muon_imported_lazily():
+    pass
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime.zero.muon.original_muon import zeropower_via_newtonschulz5
+p = [torch.nn.Parameter(torch.zeros(2))]
+print(json.dumps({"before": before, "after": applies(engine=object()),
+    "muon": all(name in sys.modules for name in MUON_MODULES),
+    "inductor": "torch._inductor.compile_fx" in sys.modules,
+    "lazy": hasattr(zeropower_via_newtonschulz5, "__wrapped__"),
+    "adamw": is_zero_supported_optimizer(torch.optim.AdamW(p)),
+    "sgd": is_zero_supported_optimizer(torch.optim.SGD(p, lr=0.1)),
+    "muon_listed": MuonWithAuxAdam in __import__("deepspeed.runtime.zero.utils").runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS}))
+"""
+    from dstrain.launcher.topology import free_port
+
+    out = subprocess.run([sys.executable, "-c", script, str(free_port())], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert facts == {"before": None, "after": None, "muon": True, "inductor": False, "lazy": True,
+                     "adamw": True, "sgd": False, "muon_listed": True}
+
+
+def test_cpu_info_is_asked_once_per_machine_and_read_back_by_later_processes(tmp_path, monkeypatch):
+    import cpuinfo
+
+    from dstrain.op_cache import remember_cpu_info
+
+    asked = []
+    real_answer = {"arch": "X86_64", "flags": ["avx2"], "brand_raw": "the CPU py-cpuinfo saw"}
+
+    def py_cpuinfo():  # stands in for the 1 s subprocess; what is tested is who asks it and when
+        asked.append(1)
+        return dict(real_answer)
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", py_cpuinfo)
+    remember_cpu_info(tmp_path)
+    assert cpuinfo.get_cpu_info() == real_answer and cpuinfo.get_cpu_info() == real_answer
+    (record,) = tmp_path.glob("cpu_info-*.json")
+    assert asked == [1] and json.loads(record.read_text()) == real_answer
+    remember_cpu_info(tmp_path)  # a second time in one process changes nothing
+    assert cpuinfo.get_cpu_info() == real_answer and asked == [1]
+
+    # another process on this machine: py-cpuinfo unasked, the file answers
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", py_cpuinfo)
+    remember_cpu_info(tmp_path)
+    assert cpuinfo.get_cpu_info() == real_answer and asked == [1]
+    record.write_text("{half a rec")  # unreadable: asked again and rewritten
+    assert cpuinfo.get_cpu_info() == real_answer and asked == [1, 1]
+    assert json.loads(record.read_text()) == real_answer
+    assert not list(tmp_path.glob("*.tmp"))
