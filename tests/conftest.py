@@ -36,28 +36,90 @@ def transformers_missing(monkeypatch):
 # Each lane's time, printed at the end of every run (CI runs both lanes in one `pytest -q`), never asserted:
 # a timing assertion fails on a slow day. What is guarded instead is the count of rank processes started
 # (launch_count.py): CI's time is mostly rank start-ups, so a new feature's tests share runs.
+#
+# The suite runs on pytest-xdist's workers (pyproject.toml: `-n 2 --dist loadgroup`): on 2 cores two launcher
+# tests side by side finish in about two thirds of the time of one after the other, since a launch spends
+# seconds in one process at a time (the CLI's checks, DeepSpeed's launcher, the ranks' teardown). A test goes
+# to a worker with the rest of its group: its module, unless it is marked `xdist_group` (tests that share a
+# session fixture, or the parts of a long module that share nothing). Each worker counts the ranks it starts;
+# the controller adds the counts up and prints the lanes.
 _LANE_SECONDS = {"fast lane (not integration)": 0.0, "launcher lane (integration)": 0.0}
 _LAUNCHES = LaunchCounter()
 _OP_BUILD: subprocess.Popen | None = None
 _OP_BUILD_LOG = Path(tempfile.gettempdir()) / f"dstrain-tests-build-ops-{os.getpid()}.log"
+_OP_BUILD_SAID: list[str] = []  # the build's summary line, from whichever process ran it
+
+# Groups other than a test's module: the launching fixtures several tests read (they run once, on one worker),
+# and the modules whose launcher tests share nothing (each test a group of its own; test_run's presets by preset).
+_RUN_FIXTURE_GROUPS = {"zero3_llama_run": "zero3_llama", "default_job": "default_job",
+                       "stage2_interrupted": "stage2_resume", "stage2_straight": "stage2_resume"}
+_SPLIT_MODULES = ("test_benchmarks", "test_sequence_parallel", "test_run")
+
+# Launcher groups that take longest start first, so that the last minutes do not leave a worker idle beside
+# one long group; the NVMe preset goes last, as DeepSpeed's async_io op takes minutes to build beside the rest.
+_LONG_GROUPS_FIRST = ("test_suite_trains_an_hf_shape_with_a_variant_and_bounds_the_offload_row",
+                      "zero3_llama", "stage2_resume", "test_suite_trains_the_same_model_three_ways_and_writes_the_results_file",
+                      "test_qwen2_stage3_split_padded_rows_train_resume_evaluate_and_export_as_without_it")
+_LAST = ("nvme",)
+
+
+def _worker(config) -> str | None:
+    """This process's xdist worker id (gw0, gw1, ...); None in the controller or without xdist."""
+    return config.workerinput["workerid"] if hasattr(config, "workerinput") else None
+
+
+def _controller(config) -> bool:
+    """Whether this process hands tests to xdist workers (and runs none itself)."""
+    return _worker(config) is None and getattr(config.option, "dist", "no") != "no"
 
 
 def pytest_sessionstart(session):
-    _LAUNCHES.start()
+    if not _controller(session.config):
+        _LAUNCHES.start()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
     """Modules without launcher tests first, each module's tests kept together and in order (module fixtures
     are set up once): the fast lane's failures show in its first minutes, and the op builds started below
-    run beside it."""
+    run beside it. Then the launcher groups, the longest first. Every test without an xdist_group mark
+    gets its module's name as its group."""
     launches = {item.module.__name__ for item in items if item.get_closest_marker("integration")}
-    items.sort(key=lambda item: item.module.__name__ in launches)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+
+    def group(item) -> str:
+        return item.get_closest_marker("xdist_group").args[0]
+
+    def order(item) -> tuple:
+        if item.module.__name__ not in launches:
+            return (0, 0)
+        if any(mark in item.nodeid for mark in _LAST):
+            return (3, 0)
+        name = group(item)
+        return (1, _LONG_GROUPS_FIRST.index(name)) if name in _LONG_GROUPS_FIRST else (2, 0)
+    items.sort(key=order)
+
+
+def _group(item) -> str:
+    """The xdist group of a test without its own xdist_group mark (see _RUN_FIXTURE_GROUPS)."""
+    shared = [_RUN_FIXTURE_GROUPS[name] for name in item.fixturenames if name in _RUN_FIXTURE_GROUPS]
+    if shared:
+        return shared[0]
+    if "preset_runs" in item.fixturenames:
+        return f"preset_{item.callspec.params['preset']}"
+    if item.module.__name__ in _SPLIT_MODULES:
+        return item.name
+    return item.module.__name__
 
 
 def pytest_collection_finish(session):
     """Where the session will start ranks, build DeepSpeed's CPU ops now, in the background (scripts/build_ops.py):
-    the fast lane leaves a core free for it on a 2-core machine."""
+    the fast lane leaves room for it. One process builds: the first xdist worker, or pytest itself."""
     global _OP_BUILD
+    if _worker(session.config) not in (None, "gw0"):
+        return
     launching = [item for item in session.items if item.get_closest_marker("integration")]
     if launching and not session.config.option.collectonly:
         nvme = ["--nvme"] if any("nvme" in item.nodeid for item in launching) else []
@@ -75,11 +137,25 @@ def pytest_runtest_logreport(report):
     _LANE_SECONDS[lane] += report.duration
 
 
+def pytest_testnodedown(node, error):
+    """The controller, as each xdist worker ends: its rank count and the op build's summary."""
+    output = getattr(node, "workeroutput", {})
+    _LAUNCHES.add(output.get("launches", {}))
+    _OP_BUILD_SAID.extend(output.get("op_build", []))
+
+
 def pytest_sessionfinish(session):
-    if _OP_BUILD is not None and _OP_BUILD.poll() is None:
-        _OP_BUILD.wait(timeout=900)  # never killed mid-build: torch's build lock would stay behind
+    if _OP_BUILD is not None:
+        if _OP_BUILD.poll() is None:
+            _OP_BUILD.wait(timeout=900)  # never killed mid-build: torch's build lock would stay behind
+        said = [line for line in _OP_BUILD_LOG.read_text().splitlines() if line.endswith((" s", "here"))]
+        _OP_BUILD_SAID.append(f"DeepSpeed ops built beside the fast lane (exit {_OP_BUILD.returncode}): "
+                              + ("; ".join(said) or "none"))
     _LAUNCHES.stop()
-    if _LAUNCHES.over_budget() and session.exitstatus == pytest.ExitCode.OK:
+    if _worker(session.config) is not None:
+        session.config.workeroutput["launches"] = _LAUNCHES.counts()
+        session.config.workeroutput["op_build"] = _OP_BUILD_SAID
+    elif _LAUNCHES.over_budget() and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -88,10 +164,8 @@ def pytest_terminal_summary(terminalreporter):
     for lane, seconds in _LANE_SECONDS.items():
         if seconds:
             terminalreporter.write_line(f"{lane}: {seconds:.0f} s ({seconds / 60:.1f} min) of test time")
-    if _OP_BUILD is not None:  # what the background build did (scripts/build_ops.py prints one line an op)
-        said = [line for line in _OP_BUILD_LOG.read_text().splitlines() if line.endswith((" s", "here"))]
-        terminalreporter.write_line(f"DeepSpeed ops built beside the fast lane (exit {_OP_BUILD.returncode}): "
-                                    + ("; ".join(said) or "none"))
+    for line in _OP_BUILD_SAID:
+        terminalreporter.write_line(line)
     for line in _LAUNCHES.report():
         terminalreporter.write_line(line)
 

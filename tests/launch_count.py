@@ -57,11 +57,13 @@ class LaunchCounter:
         self.current_test = "(session start)"
         self.ranks: dict[tuple[str, str], str] = {}  # (pid, start) -> the test that was running
         self.launchers: dict[tuple[str, str], str] = {}
+        self._added: list[dict] = []  # the workers' counts, in an xdist controller
+        self._counting = Path("/proc/self/stat").exists()  # Linux; elsewhere nothing is counted, and the report says so
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="launch-counter", daemon=True)
 
     def start(self) -> None:
-        if Path("/proc/self/stat").exists():  # Linux; elsewhere nothing is counted, and the report says so
+        if self._counting:
             self._thread.start()
 
     def stop(self) -> None:
@@ -94,11 +96,23 @@ class LaunchCounter:
                     mark in _cmdline(facts[0]) for mark in _LAUNCHERS):
                 self.ranks[key] = self.current_test
 
+    def counts(self) -> dict:
+        """What an xdist worker sends the controller: the test behind each rank, and the launcher runs."""
+        return {"ranks": list(self.ranks.values()), "launchers": len(self.launchers), "counted": self._counting}
+
+    def add(self, counts: dict) -> None:
+        """Add a worker's counts(), in the controller."""
+        for i, test in enumerate(counts.get("ranks", [])):
+            self.ranks[(f"worker{len(self._added)}", str(i))] = test
+        for i in range(counts.get("launchers", 0)):
+            self.launchers[(f"worker{len(self._added)}", str(i))] = ""
+        self._added.append(counts)
+
     def over_budget(self) -> bool:
         return len(self.ranks) > RANK_BUDGET
 
     def report(self) -> list[str]:
-        if not Path("/proc/self/stat").exists():
+        if not self._counting:
             return ["rank processes: not counted on this OS (the guard reads /proc)"]
         lines = [f"rank processes started: {len(self.ranks)} (budget {RANK_BUDGET}, tests/launch_count.py), "
                  f"by {len(self.launchers)} DeepSpeed launcher runs"]
