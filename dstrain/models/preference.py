@@ -166,6 +166,17 @@ class PreferenceObjective:
         sums, counts = pl.segment_logps(logps, segments, count)
         return sums, counts, logps
 
+    def sums_without_grad(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """Summed log-probs of the batch's rows (chosen, then rejected), without gradient, through the model's
+        forward (a LogpsRequest), as a reference copy is called: under ZeRO-3 the module hooks then gather
+        the weights, which a direct token_logps call outside a forward would find partitioned
+        (dstrain.rank.precomputed's pass)."""
+        targets, segments = self.targets_of(batch)
+        with torch.no_grad():
+            logps = model(LogpsRequest(batch["input_ids"], batch["position_ids"], targets))
+        sums, _ = pl.segment_logps(logps, segments, int(batch["desirable"].shape[0]))
+        return sums
+
     # --- the loss --------------------------------------------------------------------------------------
 
     def __call__(self, model: nn.Module, batch: dict) -> torch.Tensor:

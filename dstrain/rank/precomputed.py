@@ -116,7 +116,7 @@ def compute(engine, config, samplers, device) -> np.ndarray:
                 real = max(0, min(micro, last - start))
                 begin, count = (start, real) if real else (0, 1)  # a share run out: the same forward, not kept
                 batch = to_device(sampler.batch(begin, count), device)
-                sums, _, _ = model.preference._sums(model, batch, grad=False)
+                sums = model.preference.sums_without_grad(model, batch)
                 if real:
                     pairs = len(batch["margin"])
                     ids = torch.from_numpy(sampler.layout.groups_of(sampler.units_of(begin, count))).to(device)
