@@ -1,5 +1,6 @@
 """Shared test setup: tests import their helpers (tests/launcher.py) by module name; a one-rank process group."""
 
+import json
 import os
 import subprocess
 import sys
@@ -37,12 +38,13 @@ def transformers_missing(monkeypatch):
 # a timing assertion fails on a slow day. What is guarded instead is the count of rank processes started
 # (launch_count.py): CI's time is mostly rank start-ups, so a new feature's tests share runs.
 #
-# The suite runs on pytest-xdist's workers (pyproject.toml: `-n 2 --dist loadgroup`): on 2 cores two launcher
-# tests side by side finish in about two thirds of the time of one after the other, since a launch spends
-# seconds in one process at a time (the CLI's checks, DeepSpeed's launcher, the ranks' teardown). A test goes
-# to a worker with the rest of its group: its module, unless it is marked `xdist_group` (tests that share a
-# session fixture, or the parts of a long module that share nothing). Each worker counts the ranks it starts;
-# the controller adds the counts up and prints the lanes.
+# The suite runs on pytest-xdist's workers (pyproject.toml: `-n 2`): on 2 cores two launcher tests side by
+# side finish in about two thirds of the time of one after the other, since a launch spends seconds in one
+# process at a time (the CLI's checks, DeepSpeed's launcher, the ranks' teardown). A test goes to a worker with
+# the rest of its group (_group: its module, the launching fixture it shares with other modules, or itself in
+# modules whose launches share nothing), so that a module or session fixture runs once. The first worker writes
+# each test's group to a file the controller's scheduler reads (GroupScheduling; xdist's own --dist loadgroup
+# cannot rename test ids under pytest 9). Each worker counts the ranks it starts; the controller adds them up.
 _LANE_SECONDS = {"fast lane (not integration)": 0.0, "launcher lane (integration)": 0.0}
 _LAUNCHES = LaunchCounter()
 _OP_BUILD: subprocess.Popen | None = None
@@ -78,32 +80,57 @@ def pytest_sessionstart(session):
         _LAUNCHES.start()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
     """Modules without launcher tests first, each module's tests kept together and in order (module fixtures
     are set up once): the fast lane's failures show in its first minutes, and the op builds started below
-    run beside it. Then the launcher groups, the longest first. Every test without an xdist_group mark
-    gets its module's name as its group."""
+    run beside it. Then the launcher groups, the longest first. The first xdist worker writes the groups down
+    for the controller's scheduler."""
     launches = {item.module.__name__ for item in items if item.get_closest_marker("integration")}
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
-
-    def group(item) -> str:
-        return item.get_closest_marker("xdist_group").args[0]
 
     def order(item) -> tuple:
         if item.module.__name__ not in launches:
             return (0, 0)
         if any(mark in item.nodeid for mark in _LAST):
             return (3, 0)
-        name = group(item)
+        name = _group(item)
         return (1, _LONG_GROUPS_FIRST.index(name)) if name in _LONG_GROUPS_FIRST else (2, 0)
     items.sort(key=order)
+    if _worker(config) == "gw0":
+        groups = _groups_file(os.getppid())
+        partial = groups.with_suffix(".partial")
+        partial.write_text(json.dumps({item.nodeid: _group(item) for item in items}))
+        partial.replace(groups)
+
+
+def _groups_file(controller_pid: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"dstrain-tests-groups-{controller_pid}.json"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduler by scope, with the scope of a test its group (written by the first worker before it
+    reports its collection, so it is there when the scheduler splits the collection); tests it does not name
+    go by module. Whole groups go to a worker, in collection order (--no-loadscope-reorder)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                path = _groups_file(os.getpid())
+                self.groups = json.loads(path.read_text()) if path.exists() else {}
+                path.unlink(missing_ok=True)
+            return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
+    return GroupScheduling(config, log)
 
 
 def _group(item) -> str:
-    """The xdist group of a test without its own xdist_group mark (see _RUN_FIXTURE_GROUPS)."""
+    """A test's xdist group: an xdist_group mark's name, the group of a launching fixture it shares with other
+    modules (_RUN_FIXTURE_GROUPS), test_run's preset runs by preset, the test itself in _SPLIT_MODULES, else
+    its module."""
+    marked = item.get_closest_marker("xdist_group")
+    if marked is not None:
+        return marked.args[0]
     shared = [_RUN_FIXTURE_GROUPS[name] for name in item.fixturenames if name in _RUN_FIXTURE_GROUPS]
     if shared:
         return shared[0]
