@@ -223,7 +223,8 @@ def test_checkpoint_verify_prints_the_directory_and_the_damage_as_written(tmp_pa
     shard.write_bytes(b"o" * 10)
     result = cli("checkpoint", "verify", str(run_dir))
     assert result.exit_code == 2, result.output
-    assert f"checkpoints in {checkpoints}" in flat(result.output)  # the table's title, wrapped to its width
+    # the table's title, wrapped to its width (rich folds a word longer than a line anywhere, even inside "[bold]")
+    assert "".join(f"checkpoints in {checkpoints}".split()) in "".join(result.output.split())
     assert f"damaged: {shard} truncated: 10 bytes, the mark recorded 3000" in result.output
     assert f"intact tag(s) in {checkpoints}; resume from an intact tag" in result.output
     result = cli("checkpoint", "verify", str(checkpoints / "step00000004"))
