@@ -177,7 +177,7 @@ def _process_state(beat: Beat) -> str:
     except (OSError, IndexError):
         return "; its process is gone"
     said = {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger", "D": "stuck in the kernel (I/O, a driver)",
-            "Z": "dead"}
+            "Z": "ended"}
     return f"; its process is {said[state]}" if state in said else ""
 
 
