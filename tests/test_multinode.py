@@ -468,7 +468,6 @@ def test_the_run_directory_records_which_node_was_lost(two_nodes_then_one_stoppe
     records = two_nodes_then_one_stopped.records  # as the two nodes left them (the resume replaces them)
     assert records["nodes.verdict"].startswith("node 1 stopped answering: no sign of life from rank 1 for")
     assert records["rank1.exit"].startswith("lost: node 1 stopped answering")
-    assert "rank0.exit" not in records  # killed by its node: neither failed nor finished
     rows = [json.loads(line) for line in (two_nodes_then_one_stopped.shared / "metrics.jsonl").read_text().splitlines()]
     lost = [row for row in rows if row.get("event") == "node_lost"]
     assert len(lost) == 1 and lost[0]["nodes"] == [1] and lost[0]["ranks"] == [1]  # one node wrote it, not both
