@@ -93,6 +93,17 @@ def test_nodes_that_join_late_are_greeted_once_and_a_join_timeout_of_0_waits_as_
     assert watch.check({0: beat(0, 3.0), 1: beat(1, 3.0)}, 5002.0) == ([], None)
 
 
+def test_a_node_waits_aloud_for_the_others_not_for_its_own_ranks_still_starting(tmp_path):
+    watch = NodeWatch(tmp_path, TWO_NODES, join_timeout_s=100, liveness_timeout_s=60, now=0.0, before={},
+                      own_ranks=range(1, 2))
+    notes, _ = watch.check({}, 5.0)
+    assert notes[0].startswith("waiting 5 s for node 0 to join (rank 0 not started yet)")
+    notes, _ = watch.check({0: beat(0, 6.0)}, 36.0)
+    assert notes == []  # its own rank 1 is late, but that is no one else's to start
+    _, verdict = watch.check({0: beat(0, 100.0)}, 100.0)
+    assert verdict.ranks == [1]  # ... and the join timeout holds for it too
+
+
 def test_a_rank_that_started_but_wrote_no_heartbeat_is_named_with_its_log(tmp_path):
     (tmp_path / "ranks").mkdir()
     (tmp_path / "ranks" / "rank1.log").write_text("Traceback ...")

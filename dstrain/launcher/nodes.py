@@ -77,9 +77,10 @@ class NodeWatch:
     """The judgement, fed with heartbeat records and this process's monotonic time (tests feed their own)."""
 
     def __init__(self, run_dir: Path, nodes: list[Node], join_timeout_s: float, liveness_timeout_s: float,
-                 now: float, before: dict[int, Beat] | None = None):
+                 now: float, before: dict[int, Beat] | None = None, own_ranks: range | None = None):
         self.run_dir = run_dir
         self.nodes = nodes
+        self.own_ranks = own_ranks  # this process's node (--no-ssh): its ranks count, but it waits for no one else
         self.join_timeout_s = join_timeout_s
         self.liveness_timeout_s = liveness_timeout_s
         self.start = now
@@ -123,8 +124,10 @@ class NodeWatch:
         ranks = [rank for node in missing for rank in node.ranks if rank not in self.seen]
         if self.join_timeout_s > 0 and waited >= self.join_timeout_s:
             return [], Verdict("missing", missing, ranks, self._missing_report(missing, ranks, waited))
-        if now < self.next_note:
+        others = [node for node in missing if not (self.own_ranks and set(node.ranks) <= set(self.own_ranks))]
+        if now < self.next_note or not others:
             return [], None
+        missing, ranks = others, [rank for node in others for rank in node.ranks if rank not in self.seen]
         self.next_note = now + NOTE_EVERY_S
         self.waited = True
         limit = (f"the job ends if they have not joined {self.join_timeout_s:.0f} s after this node started its "
@@ -196,10 +199,11 @@ class NodeSupervision:
     """NodeWatch in `dstrain run`'s supervision loop: reads the records, prints, records the verdict."""
 
     def __init__(self, run_dir: Path, nodes: list[Node], join_timeout_s: float, liveness_timeout_s: float,
-                 console: Console):
+                 console: Console, own_ranks: range | None = None):
         self.run_dir = run_dir
         self.console = console
-        self.watch = NodeWatch(run_dir, nodes, join_timeout_s, liveness_timeout_s, time.monotonic())
+        self.watch = NodeWatch(run_dir, nodes, join_timeout_s, liveness_timeout_s, time.monotonic(),
+                               own_ranks=own_ranks)
         self.verdict_before = _identity(run_dir / rundir.RANKS / VERDICT)
         self.next_check = 0.0
 

@@ -133,7 +133,7 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
     reader = threading.Thread(target=_pump, args=(process, verbose), daemon=True)
     reader.start()
     watchdog = Watchdog(run_dir, hang_timeout_s, console)
-    node_watch = (NodeSupervision(run_dir, nodes, join_timeout_s, liveness_timeout_s, console)
+    node_watch = (NodeSupervision(run_dir, nodes, join_timeout_s, liveness_timeout_s, console, own_ranks)
                   if nodes and len(nodes) > 1 else None)
     hung = node_verdict = False
     try:
