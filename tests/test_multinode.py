@@ -413,6 +413,7 @@ def test_a_node_whose_rank_is_killed_ends_the_job_on_every_node_in_seconds_namin
         assert node_run.code != 0 and node_run.ended_after_s < KILL_BOUND_S, node_run
         assert ("rank 1 died without reporting (killed by a signal such as SIGKILL, or out of memory); its log: "
                 f"{run.shared / 'ranks' / 'rank1.log'}") in node_run.output, node_run.output[-3000:]
+        assert "next: dstrain eval" not in node_run.output  # a failed job's summary is no invitation
     assert not (run.shared / "ranks" / "nodes.verdict").exists()  # the liveness watch had no part in it
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shlex
+import signal
 import time
 from pathlib import Path
 
@@ -38,6 +39,9 @@ from dstrain.launcher.runner import is_local_job, rank_env, runner_command
 from dstrain.launcher.supervise import supervise
 from dstrain.launcher.topology import MPI_LAUNCHERS, JobShape, job_shape, master_port
 from dstrain.rundir import CONFIG, SECRETS, LaunchInfo, ResumeTarget
+
+
+STOPPED_CLEANLY = (128 + signal.SIGTERM, 128 + signal.SIGINT)  # supervise.py's exit codes after a clean stop
 
 
 def launch(o: LaunchOptions) -> int:
@@ -143,7 +147,7 @@ def _start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelera
     finally:
         if early is not None:
             early.remove()
-    if code == 0 or code > 128:  # finished, or stopped cleanly by a signal
+    if code == 0 or code in STOPPED_CLEANLY:  # finished, or stopped cleanly by a signal (not a launcher's 247)
         _print_summary(Path(run_dir), started, accelerator, console)
     return code
 
