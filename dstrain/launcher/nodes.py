@@ -179,9 +179,9 @@ def _process_state(beat: Beat) -> str:
         state = Path(f"/proc/{beat.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "; its process is gone"
-    said = {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger", "D": "stuck in the kernel (I/O, a driver)",
-            "Z": "ended"}
-    return f"; its process is {said[state]}" if state in said else ""
+    said = {"T": "is stopped (SIGSTOP?)", "t": "is stopped by a debugger", "D": "is stuck in the kernel (I/O, a driver)",
+            "Z": "has ended"}
+    return f"; its process {said[state]}" if state in said else ""
 
 
 def _ending(run_dir: Path) -> str:
