@@ -95,6 +95,19 @@ def ends(nodes: list[subprocess.Popen], since: float, timeout: float,
     return [done.get(i, (None, None)) for i in range(len(nodes))]
 
 
+def wait_for_step(run_dir: Path, step: int, nodes: list[subprocess.Popen], timeout: float = 300) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if step in losses(run_dir):
+                return True
+        except (OSError, ValueError):
+            pass  # a line being written
+        if any(n.poll() is not None for n in nodes) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 def rank_pid(run_dir: Path, rank: int) -> int:
     return int((run_dir / "ranks" / f"rank{rank}.pid").read_text())
 
@@ -113,6 +126,9 @@ def failure(name: str, sig: int, bound: float, work: Path, results: Path, port: 
     run_dir = work / name
     nodes = two_nodes(run_dir, results, name, port)
     started = wait_for(run_dir / "checkpoints" / "latest", nodes)
+    if started:  # a few steps past it, for the resume to compute again
+        saved = int((run_dir / "checkpoints" / "latest").read_text().strip()[len("step"):])
+        started = wait_for_step(run_dir, saved + 3, nodes)
     facts: dict = {"reached_a_checkpoint": started}
     if not started:
         ends(nodes, time.monotonic(), 0, run_dir)
@@ -175,7 +191,8 @@ def main() -> int:
         "stop: verdict recorded in the run directory": stop.get("recorded"),
         "resume on 1 node: finished through a universal checkpoint": code == 0 and summary["resume"]["universal"]
                                                                      and summary["resume"]["last_step"] == saved + 10,
-        "resume on 1 node: losses continue the two-node run's (rel 0.02, bf16)": worst is None or worst <= 0.02,
+        "resume on 1 node: losses of the steps after the checkpoint repeat the two-node run's (rel 0.02, bf16)":
+            bool(shared) and worst is not None and worst <= (0.02 if ACCEL == "cuda" else 1e-4),
     }
     for dirname in ("kill", "stop"):
         for item in ("metrics.jsonl", "launch.json", "ranks"):
