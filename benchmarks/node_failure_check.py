@@ -155,6 +155,9 @@ def main() -> int:
     work.mkdir(parents=True)
     results.mkdir(parents=True, exist_ok=True)
     port = int(os.environ.get("MASTER_PORT", "29541"))
+    if ACCEL == "cuda":  # the fused Adam op once, before two nodes would build it at the same time
+        subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import FusedAdamBuilder as B; B().load()"],
+                       stdout=open(results / "ops.log", "w"), stderr=subprocess.STDOUT)
     summary: dict = {"accelerator": ACCEL, "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
     kill = failure("kill", signal.SIGKILL, KILL_BOUND_S, work, results, port)

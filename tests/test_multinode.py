@@ -292,6 +292,10 @@ UNTIL_A_NODE_FAILS = ("train.max_steps=100000",)  # longer than any test waits: 
 KILL_BOUND_S = 20     # the survivors' collectives fail at once; the rest is a loaded CI machine's slack
 LIVENESS_S = 10       # train.liveness_timeout_s of the stop run (the default, 60 s, is for users)
 JOIN_S = 8            # --join-timeout of the run whose node 1 never comes (300 s by default)
+# The runs below share nothing with the rest of this module: their tests may run on another xdist worker
+# (conftest.py), each group with its own fixture.
+STOPPED_GROUP = pytest.mark.xdist_group("two_nodes_stopped")
+ALONE_GROUP = pytest.mark.xdist_group("node_never_joins")
 
 
 def dstrain_run(run_dir: Path, *extra: str, sets: tuple[str, ...] = (), log: Path | None = None) -> subprocess.Popen:
@@ -467,6 +471,7 @@ def two_nodes_then_one_stopped(tmp_path_factory):
 
 
 @pytest.mark.integration
+@STOPPED_GROUP
 def test_a_stopped_node_ends_the_job_on_every_node_after_the_liveness_timeout(two_nodes_then_one_stopped):
     run = two_nodes_then_one_stopped
     for node_run in (run.node0, run.node1):
@@ -480,6 +485,7 @@ def test_a_stopped_node_ends_the_job_on_every_node_after_the_liveness_timeout(tw
 
 
 @pytest.mark.integration
+@STOPPED_GROUP
 def test_the_run_directory_records_which_node_was_lost(two_nodes_then_one_stopped):
     records = two_nodes_then_one_stopped.records  # as the two nodes left them (the resume replaces them)
     assert records["nodes.verdict"].startswith("node 1 stopped answering: no sign of life from rank 1 for")
@@ -490,6 +496,7 @@ def test_the_run_directory_records_which_node_was_lost(two_nodes_then_one_stoppe
 
 
 @pytest.mark.integration
+@STOPPED_GROUP
 def test_user_brackets_on_the_command_line_are_printed_as_written_on_the_second_node(two_nodes_then_one_stopped):
     """The second node quotes the first node's command line (the lock's note): '[/...]' is no markup."""
     run = two_nodes_then_one_stopped
@@ -498,6 +505,7 @@ def test_user_brackets_on_the_command_line_are_printed_as_written_on_the_second_
 
 
 @pytest.mark.integration
+@STOPPED_GROUP
 def test_the_job_resumes_on_the_node_left_from_the_last_complete_checkpoint(two_nodes_then_one_stopped):
     run = two_nodes_then_one_stopped
     assert_ok(run.resumed)
@@ -523,6 +531,7 @@ def node_that_never_comes(tmp_path_factory):
 
 
 @pytest.mark.integration
+@ALONE_GROUP
 def test_a_node_that_never_joins_is_waited_for_aloud_then_ends_the_job_naming_it(node_that_never_comes):
     run = node_that_never_comes
     assert run.node0.code == 1 and run.node0.ended_after_s < 120, run.node0  # start-up, then JOIN_S
@@ -536,6 +545,7 @@ def test_a_node_that_never_joins_is_waited_for_aloud_then_ends_the_job_naming_it
 
 
 @pytest.mark.integration
+@ALONE_GROUP
 def test_join_timeout_is_frozen_with_the_runs_config_and_the_verdict_recorded(node_that_never_comes):
     shared = node_that_never_comes.shared
     assert f"join_timeout_s: {float(JOIN_S)}" in (shared / "config.yaml").read_text()
