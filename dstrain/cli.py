@@ -134,6 +134,7 @@ def run_cmd(
     accelerator: str = AccelOpt,
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where config, metrics and checkpoints go (default runs/<time>-<preset>)."),
     resume: Optional[str] = typer.Option(None, "--resume", help="'latest', a checkpoint path/tag to continue from, or 'auto' (latest when --run-dir has a complete checkpoint, else start fresh: one command for a requeue loop)."),
+    join_timeout: Optional[float] = typer.Option(None, "--join-timeout", min=0, help="Several nodes: seconds to wait for every node's ranks to start before ending the job, naming the nodes that never came (train.join_timeout_s: 300 unless the config says otherwise; 0: wait as long as it takes)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate everything and print the plan; start nothing."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show DeepSpeed's own INFO logging."),
     strict: bool = StrictOpt,
@@ -157,8 +158,8 @@ def run_cmd(
         preset=preset, config_file=config, sets=set_ or [], gpus=world_per_node_gpus, nodes=nodes,
         hostfile=hostfile, include=include, exclude=exclude, master_port=master_port,
         master_addr=master_addr, launcher=launcher, node_rank=node_rank, no_ssh=no_ssh,
-        accelerator=accelerator, run_dir=run_dir, resume=resume, dry_run=dry_run, verbose=verbose,
-        strict=strict or None)
+        accelerator=accelerator, run_dir=run_dir, resume=resume, join_timeout_s=join_timeout, dry_run=dry_run,
+        verbose=verbose, strict=strict or None)
     code = launch(options)
     raise typer.Exit(code)
 

@@ -1,6 +1,11 @@
 """When a rank counts as hung: the timeout per accelerator, the longer allowance of slow phases, the
 collective timeout derived from it, and the heartbeat record both sides read and write.
 
+The record carries two clocks: `since` moves with progress (a phase or step: the hang watchdog's), `alive`
+with every write of the beat's own thread (the node watch's, dstrain/launcher/nodes.py): a rank that
+compiles for ten minutes is slow but alive; one whose record stops changing altogether is stopped,
+frozen or gone.
+
 A rank (dstrain/rank/heartbeat.py) reports its phase and step; the supervisor (dstrain/launcher/
 watchdog.py) judges the reports with these rules. No torch here: both sides import it.
 """
@@ -19,6 +24,7 @@ SLOW_PHASES = ("startup", "save")
 PHASES = ("startup", "data", "forward", "backward", "step", "log", "eval", "save")  # in the order of one step
 DONE = "done"    # the rank's last report: it has finished (or failed, which the launcher reports)
 COLLECTIVE_MARGIN_S = 60.0
+ALIVE_EVERY_S = 2.0  # how often a rank's heartbeat thread rewrites its beat file even without progress
 
 
 def hang_timeout_s(setting: float | str, accelerator: str) -> float:
@@ -43,6 +49,8 @@ class Beat:
     step: int | None    # the optimizer step being computed (1-based), or just completed for log/eval/save
     first_step: int | None  # the first step this process computes (slow: compile, allocator warm-up)
     since: float        # wall time of the last progress report
+    alive: float = 0.0  # wall time of the last write: the beat's own thread writes at least every ALIVE_EVERY_S,
+                        # progress or not, so a rank busy in a long compile or step still shows it lives
 
     def allowance_s(self, timeout_s: float) -> float:
         slow = self.phase in SLOW_PHASES or self.step is None or self.step == self.first_step

@@ -9,10 +9,13 @@ import base64
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -278,18 +281,32 @@ def test_pdsh_nodes_train_on_the_run_directorys_settings_not_their_environment(t
 
 
 # ---------------------------------------------------------------------------------------
-# A real 2-node job on one machine
+# Real 2-node jobs on one machine (--no-ssh, one CPU rank per node, one run directory as on a shared
+# filesystem), each run read by several tests: two nodes that train like one until one node's rank is
+# killed, two nodes whose second node's rank is stopped (SIGSTOP) and the job resumed on one node, and a
+# node that never comes. The judgement itself is tested in-process in tests/test_nodes.py.
 
 STEPS = ("train.max_steps=6", "train.log_every=1", "train.save_every=3", "train.eval_every=3",
          "train.schedule=constant", "train.warmup_steps=1", "train.lr=3e-3")
+UNTIL_A_NODE_FAILS = ("train.max_steps=100000",)  # longer than any test waits: a node's failure ends the run
+KILL_BOUND_S = 20     # the survivors' collectives fail at once; the rest is a loaded CI machine's slack
+LIVENESS_S = 10       # train.liveness_timeout_s of the stop run (the default, 60 s, is for users)
+JOIN_S = 8            # --join-timeout of the run whose node 1 never comes (300 s by default)
+# The runs below share nothing with the rest of this module: their tests may run on another xdist worker
+# (conftest.py), each group with its own fixture.
+STOPPED_GROUP = pytest.mark.xdist_group("two_nodes_stopped")
+ALONE_GROUP = pytest.mark.xdist_group("node_never_joins")
 
 
-def dstrain_run(run_dir: Path, *extra: str) -> subprocess.Popen:
+def dstrain_run(run_dir: Path, *extra: str, sets: tuple[str, ...] = (), log: Path | None = None) -> subprocess.Popen:
+    """`dstrain run` of the tiny stage2 job (STEPS, then `sets`); its output to `log` when given (a run
+    that goes on until stopped must not fill a pipe nobody reads)."""
     args = [sys.executable, "-m", "dstrain.cli", "run", "--preset", "stage2", "--accelerator", "cpu",
             "--run-dir", str(run_dir), *extra]
-    for item in (*TINY, *STEPS):
+    for item in (*TINY, *STEPS, *sets):
         args += ["--set", item]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    output = open(log, "w") if log else subprocess.PIPE
+    return subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "COLUMNS": "250"})
 
 
@@ -305,44 +322,233 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.integration
-@pytest.mark.oldest_deepspeed
-def test_two_nodes_with_one_rank_each_train_exactly_like_one_node_with_two_ranks(tmp_path):
-    shared = tmp_path / "two_nodes"  # one run directory, as on a shared filesystem
-    port = str(free_port())
+def node(shared: Path, rank: int, port: str, sets: tuple[str, ...] = (), log: Path | None = None,
+         extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    return dstrain_run(shared, "--nodes", "2", "--gpus", "1", "--no-ssh", "--node-rank", str(rank),
+                       "--master-addr", "127.0.0.1", "--master-port", port, *extra, sets=sets, log=log)
 
-    def node(rank: int) -> subprocess.Popen:
-        return dstrain_run(shared, "--nodes", "2", "--gpus", "1", "--no-ssh", "--node-rank", str(rank),
-                           "--master-addr", "127.0.0.1", "--master-port", port)
 
+def wait_for(path: Path, processes: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert all(p.poll() is None for p in processes), f"a node ended before {path} appeared"
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.2)
+
+
+@dataclass
+class NodeRun:
+    """One `dstrain run` of a several-node job: its exit code, output and seconds from the event to its end."""
+    code: int
+    output: str
+    ended_after_s: float
+
+
+def ended(processes: list[subprocess.Popen], logs: list[Path], since: float, timeout: float = 300) -> list[NodeRun]:
+    ends: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(ends) < len(processes) and time.monotonic() < deadline:
+        for i, p in enumerate(processes):
+            if i not in ends and p.poll() is not None:
+                ends[i] = time.monotonic() - since
+        time.sleep(0.1)
+    for p in processes:  # past the deadline: the test fails on the times, with nothing left running
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return [NodeRun(p.returncode, " ".join(log.read_text().split()), ends.get(i, float("inf")))
+            for i, (p, log) in enumerate(zip(processes, logs))]
+
+
+def wait_for_step(run_dir: Path, step: int, processes: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if step in losses(run_dir):
+                return
+        except (OSError, ValueError):
+            pass  # a line being written
+        assert all(p.poll() is None for p in processes), f"a node ended before step {step}"
+        assert time.monotonic() < deadline, f"no step {step} after {timeout} s"
+        time.sleep(0.2)
+
+
+def rank_pid(run_dir: Path, rank: int) -> int:
+    return int((run_dir / "ranks" / f"rank{rank}.pid").read_text())
+
+
+@pytest.fixture(scope="module")
+def two_nodes_then_one_killed(tmp_path_factory):
+    """Two nodes train past the checkpoint of step 6, then node 1's rank is killed (SIGKILL); and the same
+    job on one node of two ranks, 6 steps, to compare with."""
+    base = tmp_path_factory.mktemp("killed")
+    shared, port = base / "two_nodes", str(free_port())
+    logs = [base / "node1.txt", base / "node0.txt"]
     # Node 1 first, and node 0 only once node 1's rank is up and recorded: a node that starts
     # later must leave the records of the ranks already running elsewhere alone.
-    nodes = [node(1)]
-    deadline = time.monotonic() + 300
-    while not (shared / "ranks" / "rank1.pid").exists() and nodes[0].poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    nodes.append(node(0))
-    single = tmp_path / "one_node"
-    node1, node0 = [finish(node) for node in nodes]
-    for result in (node1, node0):
-        assert_ok(result)
-    assert_ok(finish(dstrain_run(single, "--gpus", "2")))
+    nodes = [node(shared, 1, port, UNTIL_A_NODE_FAILS, logs[0])]
+    wait_for(shared / "ranks" / "rank1.pid", nodes)
+    nodes.append(node(shared, 0, port, UNTIL_A_NODE_FAILS, logs[1]))
+    wait_for(shared / "checkpoints" / "step00000006" / "dstrain_complete.json", nodes)
+    os.kill(rank_pid(shared, 1), signal.SIGKILL)
+    node1, node0 = ended(nodes, logs, since=time.monotonic())
+    single = base / "one_node"
+    one_node = finish(dstrain_run(single, "--gpus", "2"))
+    return SimpleNamespace(shared=shared, node0=node0, node1=node1, single=single, one_node=one_node)
+
+
+@pytest.mark.integration
+@pytest.mark.oldest_deepspeed
+def test_two_nodes_with_one_rank_each_train_exactly_like_one_node_with_two_ranks(two_nodes_then_one_killed):
+    run = two_nodes_then_one_killed
+    shared, single = run.shared, run.single
+    assert_ok(run.one_node)
     # One job, one owner: node 1 came first and holds the run directory's lock; node 0 joins its job.
-    assert "another node of this job holds the run directory" in " ".join(node0.stdout.split())
+    assert "another node of this job holds the run directory" in run.node0.output
     assert (shared / "run.lock").read_text() == ""  # released at the end
 
     two, one = losses(shared), losses(single)
-    assert sorted(two) == sorted(one) == [1, 2, 3, 4, 5, 6]
+    assert sorted(one) == [1, 2, 3, 4, 5, 6] and {1, 2, 3, 4, 5, 6} <= set(two)
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-4), (step, two, one)
     assert one[6] < one[1]
     evals = [{row["step"]: row["eval_loss"] for row in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-              if "eval_loss" in row} for d in (shared, single)]
-    assert evals[0] == pytest.approx(evals[1], rel=1e-4)
+              if "eval_loss" in row and row["step"] <= 6} for d in (shared, single)]
+    assert evals[0] == pytest.approx(evals[1], rel=1e-4) and sorted(evals[1]) == [3, 6]
 
     mark = json.loads((shared / "checkpoints" / "step00000006" / "dstrain_complete.json").read_text())
     assert mark["world_size"] == 2 and {"rng_rank0.pt", "rng_rank1.pt"} <= set(mark["files"])
     assert all(set(record) == {"size", "sha256"} for record in mark["files"].values())  # both nodes' files hashed
-    records = {p.name: p.read_text() for p in (shared / "ranks").iterdir()}
-    assert records["rank0.exit"] == records["rank1.exit"] == "ok"  # neither node removed the other's records
-    assert {"rank0.pid", "rank1.pid"} <= set(records)
+    records = {p.name for p in (shared / "ranks").iterdir()}
+    assert {"rank0.pid", "rank1.pid", "rank0.log", "rank1.log"} <= records  # neither node removed the other's
+
+
+@pytest.mark.integration
+def test_a_node_whose_rank_is_killed_ends_the_job_on_every_node_in_seconds_naming_it(two_nodes_then_one_killed):
+    run = two_nodes_then_one_killed
+    for node_run in (run.node0, run.node1):
+        assert node_run.code != 0 and node_run.ended_after_s < KILL_BOUND_S, node_run
+        assert ("rank 1 died without reporting (killed by a signal such as SIGKILL, or out of memory); its log: "
+                f"{run.shared / 'ranks' / 'rank1.log'}") in node_run.output, node_run.output[-3000:]
+        assert "next: dstrain eval" not in node_run.output  # a failed job's summary is no invitation
+    assert not (run.shared / "ranks" / "nodes.verdict").exists()  # the liveness watch had no part in it
+
+
+@pytest.fixture(scope="module")
+def two_nodes_then_one_stopped(tmp_path_factory):
+    """Two nodes train on text files given as a list on the command line (brackets and slashes, as rich markup
+    would misread them) until the first complete checkpoint; then node 1's rank is stopped (SIGSTOP), and once
+    both nodes have ended, the job resumes on one node of one rank (--resume auto: a universal checkpoint)."""
+    base = tmp_path_factory.mktemp("stopped")
+    text = base / "text.txt"
+    text.write_text("\n\n".join(p.read_text() for p in sorted((Path(__file__).parent.parent / "docs").glob("*.md"))))
+    data = ("data.source=text", f"data.paths=[{text}]")
+    shared, port = base / "run", str(free_port())
+    logs = [base / "node0.txt", base / "node1.txt"]
+    sets = (*UNTIL_A_NODE_FAILS, *data, f"train.liveness_timeout_s={LIVENESS_S}")
+    nodes = [node(shared, 0, port, sets, logs[0])]
+    wait_for(shared / "ranks" / "rank0.pid", nodes)
+    nodes.append(node(shared, 1, port, sets, logs[1]))  # the second node prints the lock's note (the command line)
+    wait_for(shared / "checkpoints" / "latest", nodes)
+    first_saved = int((shared / "checkpoints" / "latest").read_text().strip()[len("step"):])
+    wait_for_step(shared, first_saved + 2, nodes)  # steps past the checkpoint, for the resume to repeat
+    stopped_pid = rank_pid(shared, 1)
+    os.kill(stopped_pid, signal.SIGSTOP)
+    try:
+        node0, node1 = ended(nodes, logs, since=time.monotonic())
+    finally:
+        try:
+            os.kill(stopped_pid, signal.SIGKILL)  # in case its node did not
+        except ProcessLookupError:
+            pass
+    before = losses(shared)
+    records = {p.name: p.read_text() for p in (shared / "ranks").iterdir() if p.suffix in (".exit", ".verdict")}
+    saved = int((shared / "checkpoints" / "latest").read_text().strip()[len("step"):])
+    resumed = finish(dstrain_run(shared, "--gpus", "1", "--resume", "auto",
+                                 sets=(f"train.max_steps={saved + 3}", "train.grad_accum_steps=2", *data)))
+    return SimpleNamespace(shared=shared, node0=node0, node1=node1, stopped_pid=stopped_pid, before=before,
+                           records=records, saved=saved, resumed=resumed)
+
+
+@pytest.mark.integration
+@STOPPED_GROUP
+def test_a_stopped_node_ends_the_job_on_every_node_after_the_liveness_timeout(two_nodes_then_one_stopped):
+    run = two_nodes_then_one_stopped
+    for node_run in (run.node0, run.node1):
+        assert node_run.code == 1 and node_run.ended_after_s < LIVENESS_S + KILL_BOUND_S, node_run
+        assert "node 1 stopped answering: no sign of life from rank 1 for" in node_run.output, node_run.output[-3000:]
+        assert f"(limit {LIVENESS_S} s, train.liveness_timeout_s)" in node_run.output
+        assert f"rank 1 (pid {run.stopped_pid} on " in node_run.output and "last sign of life at" in node_run.output
+        assert "continue on the nodes left with --resume auto" in node_run.output
+    assert "its process is stopped (SIGSTOP?)" in run.node1.output + run.node0.output  # the same host here
+    assert not Path(f"/proc/{run.stopped_pid}").exists() or "Z" in Path(f"/proc/{run.stopped_pid}/stat").read_text()
+
+
+@pytest.mark.integration
+@STOPPED_GROUP
+def test_the_run_directory_records_which_node_was_lost(two_nodes_then_one_stopped):
+    records = two_nodes_then_one_stopped.records  # as the two nodes left them (the resume replaces them)
+    assert records["nodes.verdict"].startswith("node 1 stopped answering: no sign of life from rank 1 for")
+    assert records["rank1.exit"].startswith("lost: node 1 stopped answering")
+    rows = [json.loads(line) for line in (two_nodes_then_one_stopped.shared / "metrics.jsonl").read_text().splitlines()]
+    lost = [row for row in rows if row.get("event") == "node_lost"]
+    assert len(lost) == 1 and lost[0]["nodes"] == [1] and lost[0]["ranks"] == [1]  # one node wrote it, not both
+
+
+@pytest.mark.integration
+@STOPPED_GROUP
+def test_user_brackets_on_the_command_line_are_printed_as_written_on_the_second_node(two_nodes_then_one_stopped):
+    """The second node quotes the first node's command line (the lock's note): '[/...]' is no markup."""
+    run = two_nodes_then_one_stopped
+    assert "another node of this job holds the run directory" in run.node1.output
+    assert "data.paths=[" + str(run.shared.parent / "text.txt") + "]" in run.node1.output
+
+
+@pytest.mark.integration
+@STOPPED_GROUP
+def test_the_job_resumes_on_the_node_left_from_the_last_complete_checkpoint(two_nodes_then_one_stopped):
+    run = two_nodes_then_one_stopped
+    assert_ok(run.resumed)
+    assert "universal checkpoint" in run.resumed.stdout
+    assert f"resumed from step{run.saved:08d} at step {run.saved}" in run.resumed.stdout
+    after = losses(run.shared)
+    assert sorted(after)[-1] == run.saved + 3
+    repeated = sorted(step for step in set(run.before) & set(after) if step > run.saved)
+    assert repeated, (run.saved, run.before)  # the two nodes went on past the checkpoint before the stop
+    for step in repeated:  # computed by two nodes before the stop, again by one rank (accum 2) after the resume
+        assert after[step] == pytest.approx(run.before[step], rel=1e-4), (step, after, run.before)
+
+
+@pytest.fixture(scope="module")
+def node_that_never_comes(tmp_path_factory):
+    """Node 0 of a two-node job, started alone with --join-timeout JOIN_S."""
+    shared = tmp_path_factory.mktemp("alone") / "run"
+    log = shared.parent / "node0.txt"
+    started = time.monotonic()
+    process = node(shared, 0, str(free_port()), log=log, extra=("--join-timeout", str(JOIN_S)))
+    (node0,) = ended([process], [log], since=started)
+    return SimpleNamespace(shared=shared, node0=node0)
+
+
+@pytest.mark.integration
+@ALONE_GROUP
+def test_a_node_that_never_joins_is_waited_for_aloud_then_ends_the_job_naming_it(node_that_never_comes):
+    run = node_that_never_comes
+    assert run.node0.code == 1 and run.node0.ended_after_s < 120, run.node0  # start-up, then JOIN_S
+    assert "note: waiting 5 s for node 1 to join (rank 1 not started yet); the job ends if they have not joined " \
+           f"{JOIN_S} s after this node started its ranks" in run.node0.output, run.node0.output[-3000:]
+    assert f"node 1 never joined: rank 1 had not started after {JOIN_S} s (train.join_timeout_s, --join-timeout)" \
+        in run.node0.output
+    assert f"ranks log to {run.shared / 'ranks'}/rank<R>.log once they start" in run.node0.output
+    assert "ending the job on every node; no checkpoint was saved" in run.node0.output
+    assert "training failed" not in run.node0.output  # one message, not a second one for the killed rank
+
+
+@pytest.mark.integration
+@ALONE_GROUP
+def test_join_timeout_is_frozen_with_the_runs_config_and_the_verdict_recorded(node_that_never_comes):
+    shared = node_that_never_comes.shared
+    assert f"join_timeout_s: {float(JOIN_S)}" in (shared / "config.yaml").read_text()
+    assert (shared / "ranks" / "nodes.verdict").read_text().startswith("node 1 never joined")
+    assert (shared / "ranks" / "rank1.exit").read_text().startswith("missing: node 1 never joined")
+    assert not any(p.name.startswith("rank0.exit") for p in (shared / "ranks").iterdir())  # rank 0 was killed

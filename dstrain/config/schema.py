@@ -373,6 +373,22 @@ class TrainConfig(Section):
     complete checkpoint stays `latest`). Start-up, the first step and checkpoint saves get three times
     this. "auto": 600 on GPU, 1800 on CPU; 0 turns hang detection off. NCCL/gloo collectives time out
     at three times this plus 60 s, so a hang ends even without the watchdog."""
+    join_timeout_s: NonNegativeFloat = 300.0
+    """Several nodes: seconds every node's `dstrain run` waits for the ranks of all nodes to start (it says
+    whom it waits for after 5 s, then every 30 s) before it ends the job, naming the nodes that never
+    came. `dstrain run --join-timeout` sets it for one launch. 0: wait as long as it takes."""
+    liveness_timeout_s: NonNegativeFloat = 60.0
+    """Several nodes: seconds a rank may give no sign of life before every node's `dstrain run` ends the
+    job, naming its node and its last sign of life. The sign is its heartbeat thread's write, every 2 s
+    whatever the rank is doing, so a long compile or a slow step never trips it (hang_timeout_s judges
+    those); a stopped process, a frozen host or a lost network does. 0 turns it off; else at least 10."""
+
+    @field_validator("liveness_timeout_s")
+    @classmethod
+    def _several_beats(cls, seconds: float) -> float:
+        if 0 < seconds < 10:  # five beats (hangs.ALIVE_EVERY_S): one late write on a busy node is no verdict
+            raise ValueError("must be 0 (off) or at least 10 seconds")
+        return seconds
     export_final: bool | Literal["safetensors", "hf", "peft"] = False
     """At the end, also write consolidated weights: true or "safetensors" to <run_dir>/final.safetensors,
     "hf" (for "hf:" models) a folder AutoModelForCausalLM.from_pretrained loads, <run_dir>/final_hf,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shlex
+import signal
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from dstrain.launcher import early_start
 from dstrain.launcher.env_fixes import use_bytecode_cache
 from dstrain.op_cache import use_private_op_cache
 from dstrain.launcher.preflight import check_runtime, clear_stale_build_locks
+from dstrain.launcher.nodes import node_layout
 from dstrain.launcher.options import LaunchOptions
 from dstrain.launcher.ownership import current_holder, multi_node_job_id
 from dstrain.launcher.run_directory import (default_run_dir, prepare_run_dir, refuse_checkpoints, universal_copy,
@@ -37,6 +39,9 @@ from dstrain.launcher.runner import is_local_job, rank_env, runner_command
 from dstrain.launcher.supervise import supervise
 from dstrain.launcher.topology import MPI_LAUNCHERS, JobShape, job_shape, master_port
 from dstrain.rundir import CONFIG, SECRETS, LaunchInfo, ResumeTarget
+
+
+STOPPED_CLEANLY = (128 + signal.SIGTERM, 128 + signal.SIGINT)  # supervise.py's exit codes after a clean stop
 
 
 def launch(o: LaunchOptions) -> int:
@@ -52,6 +57,8 @@ def launch(o: LaunchOptions) -> int:
     _warn_about_launcher(o, shape, console)
     frozen = _frozen_config(o)
     preset, sets = _preset(o, shape, accelerator, console)
+    if o.join_timeout_s is not None:  # --join-timeout: this launch's train.join_timeout_s, frozen with the rest
+        sets = [*sets, f"train.join_timeout_s={o.join_timeout_s}"]
     resolved = resolve(preset, frozen or o.config_file, sets, world_size=shape.world, accelerator=accelerator,
                        strict=o.strict)
     if frozen:
@@ -132,13 +139,15 @@ def _start(o: LaunchOptions, shape: JobShape, resolved: ResolvedConfig, accelera
     # Ranks started early have their environment already (rank_env prints its notes once).
     env = rank_env(accelerator, max(shape.active.values())) if early is None else {}
     try:
+        train = resolved.config.train
         code = supervise(command, env, run_dir, o.verbose, console, shape.own_ranks,
-                         saves=resolved.config.train.save_checkpoints, hang_timeout_s=launch_info.hang_timeout_s,
-                         started=early.open() if early else None)
+                         saves=train.save_checkpoints, hang_timeout_s=launch_info.hang_timeout_s,
+                         started=early.open() if early else None, nodes=node_layout(shape.active),
+                         join_timeout_s=train.join_timeout_s, liveness_timeout_s=train.liveness_timeout_s)
     finally:
         if early is not None:
             early.remove()
-    if code == 0 or code > 128:  # finished, or stopped cleanly by a signal
+    if code == 0 or code in STOPPED_CLEANLY:  # finished, or stopped cleanly by a signal (not a launcher's 247)
         _print_summary(Path(run_dir), started, accelerator, console)
     return code
 

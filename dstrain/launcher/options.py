@@ -27,6 +27,7 @@ class LaunchOptions:
     accelerator: str = "auto"
     run_dir: Path | None = None
     resume: str | None = None
+    join_timeout_s: float | None = None  # --join-timeout: train.join_timeout_s for this launch (None: the config's)
     dry_run: bool = False
     verbose: bool = False
     strict: bool | None = None  # --strict; None: DSTRAIN_STRICT in this command's environment decides

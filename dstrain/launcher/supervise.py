@@ -21,11 +21,13 @@ from rich.console import Console
 
 from dstrain.console_text import outside
 from dstrain.launcher.failures import failure_report
+from dstrain.launcher.nodes import Node, NodeSupervision
 from dstrain.launcher.watchdog import Watchdog
 from dstrain.rundir import GAVE_UP, RANKS
 
 
 HUNG_EXIT = 1
+NODE_EXIT = 1     # a node never joined, or stopped answering (nodes.py)
 GAVE_UP_EXIT = 1  # the run health guard gave up (dstrain/rank/health.py)
 STOP_GRACE_S = 110  # a preempted job must be gone within 120 s; ranks get this long to save
 
@@ -98,11 +100,13 @@ def start_launcher(command: list[str], env: dict[str, str]) -> subprocess.Popen:
 
 def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: bool, console: Console,
               own_ranks: range | None = None, saves: bool = True, hang_timeout_s: float = 0,
-              started: subprocess.Popen | None = None) -> int:
+              started: subprocess.Popen | None = None, nodes: list[Node] | None = None,
+              join_timeout_s: float = 0, liveness_timeout_s: float = 0) -> int:
     """Run the deepspeed runner (or take over `started`, the launcher early_start.py began), filter
     its chatter, forward SIGTERM/SIGINT to the ranks (which save, unless `saves` is false, and stop),
-    end the job if its ranks hang (watchdog.py; `hang_timeout_s`, 0: never), and name the failed rank
-    if the job fails. Returns the exit code."""
+    end the job if its ranks hang (watchdog.py; `hang_timeout_s`, 0: never), or, with several `nodes`,
+    if one never joins or stops answering (nodes.py), and name the failed rank if the job fails.
+    Returns the exit code."""
     received: list[int] = []
     deadline: list[float] = []
     signalled: set[int] = set()
@@ -129,12 +133,17 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
     reader = threading.Thread(target=_pump, args=(process, verbose), daemon=True)
     reader.start()
     watchdog = Watchdog(run_dir, hang_timeout_s, console)
-    hung = False
+    node_watch = (NodeSupervision(run_dir, nodes, join_timeout_s, liveness_timeout_s, console, own_ranks)
+                  if nodes and len(nodes) > 1 else None)
+    hung = node_verdict = False
     try:
         while process.poll() is None:
             time.sleep(0.2)
             if watchdog.hung(lambda: live_rank_pids(run_dir, own_ranks)):
                 hung = True
+                break
+            if node_watch is not None and not received and node_watch.ended():
+                node_verdict = True
                 break
             if received:  # ranks that publish their pid after the request are asked too
                 signalled.update(_stop_ranks(run_dir, received[0], own_ranks, frozenset(signalled)))
@@ -153,6 +162,14 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
             signal.signal(s, handler)
     if hung:
         return HUNG_EXIT
+    if node_verdict:
+        return NODE_EXIT
+    elsewhere = node_watch.verdict_elsewhere() if node_watch is not None and process.returncode != 0 else []
+    if elsewhere:  # this node's ranks failed because another node ended the job: say why, once
+        console.print("[bold red]training failed:[/] another node's `dstrain run` ended the job:")
+        for line in elsewhere:
+            console.print(f"  {outside(line)}", soft_wrap=True)
+        return NODE_EXIT
     return _job_exit_code(process.returncode, received[0] if received else None, saves, run_dir, alive, console)
 
 

@@ -2,9 +2,12 @@
 SIGUSR1 (faulthandler, every thread) in rank<R>.stack, for the supervisor's hang watchdog.
 
 `beat(phase, step)` only stores the values and the time (no I/O, no device sync: it sits on the
-train loop's hot path); a daemon thread writes the file at most WRITE_EVERY_S apart when it changed.
-The time recorded is that of the call, so a rank that blocks right after a report is judged from it
-even if the thread never writes again. One heartbeat per process: `start` once, early in the rank.
+train loop's hot path); a daemon thread writes the file at most WRITE_EVERY_S apart when it changed,
+and every ALIVE_EVERY_S even when it did not: that write is the rank's sign of life, which a long
+compile or a slow step does not hold up (they release the GIL often), but a stopped process or a
+frozen host does. The progress time recorded is that of the call, so a rank that blocks right after a
+report is judged from it even if the thread goes on writing. One heartbeat per process: `start` once,
+early in the rank.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from dstrain.hangs import DONE, Beat, beat_file, stack_file
+from dstrain.hangs import ALIVE_EVERY_S, DONE, Beat, beat_file, stack_file
 
 WRITE_EVERY_S = 0.25
 
@@ -43,6 +46,7 @@ class Heartbeat:
     def write(self) -> None:
         version = self.version
         tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self.state.alive = time.time()
         try:
             tmp.write_text(self.state.to_json())
             os.replace(tmp, self.path)  # the supervisor reads whole records only
@@ -51,9 +55,11 @@ class Heartbeat:
         self.written = version
 
     def _run(self) -> None:
+        last = time.monotonic()
         while not self.stop.wait(WRITE_EVERY_S):
-            if self.version != self.written:
+            if self.version != self.written or time.monotonic() - last >= ALIVE_EVERY_S:
                 self.write()
+                last = time.monotonic()
 
 
 _current: Heartbeat | None = None
