@@ -102,13 +102,14 @@ def test_flops_count_the_output_head_but_not_the_embedding_lookup(llama_dir):
 
 
 def test_weights_that_do_not_fit_the_config_name_the_keys(llama_dir, tmp_path):
-    from dstrain.models.weights import load_into, raise_if_incomplete
+    from dstrain.models.weights import load_into, plain_route, raise_if_incomplete
     weights = saved_weights(llama_dir)
     weights["model.extra.weight"] = torch.zeros(3)
     del weights["model.norm.weight"]
     save_file(weights, tmp_path / "bad.safetensors")
     model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
-    report = load_into(model, [tmp_path / "bad.safetensors"], lambda k, names: k if k in names else None, zero3=False)
+    report = load_into(model, [tmp_path / "bad.safetensors"], plain_route(lambda k, names: k if k in names else None),
+                       zero3=False)
     assert report.missing == ["model.norm.weight"]
     assert report.unexpected == ["model.extra.weight"]
     with pytest.raises(UserError, match="model.norm.weight"):

@@ -542,6 +542,7 @@ def _build_zero3(config: RunConfig, ds_config: dict, hf_config) -> nn.Module:
     except ImportError:  # transformers 4.x
         from transformers.modeling_utils import no_init_weights
 
+    from dstrain.models.conversion import load_router
     from dstrain.models.weights import load_into, raise_if_incomplete
     # Some architectures (GPT-2) make transformers import torch._dynamo lazily while the model is built;
     # dynamo's first import checks torch.Tensor.__new__, which zero.Init replaces, and fails
@@ -551,9 +552,9 @@ def _build_zero3(config: RunConfig, ds_config: dict, hf_config) -> nn.Module:
         model = _from_config(config, hf_config)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # skipped with the initialisation; tied models need it (Gemma, OPT)
-    name_for_key = _key_renamer(model)
     reward = is_reward(config)
-    report = load_into(model, weight_files(config), name_for_key, zero3=True,
+    # transformers' own load-time conversions (renamed keys; MoE experts fused from per-expert tensors)
+    report = load_into(model, weight_files(config), load_router(model), zero3=True,
                        ignore_missing=[*(getattr(model, "_keys_to_ignore_on_load_missing", None) or []),
                                        *(REWARD_NEW_KEYS if reward else ())],
                        ignore_unexpected=[*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
@@ -575,35 +576,6 @@ def init_new_module(model: nn.Module, module: nn.Module) -> None:
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
         if rank == 0:
             model._init_weights(module)
-
-
-def _key_renamer(model: nn.Module) -> Callable[[str, set[str]], str | None]:
-    """Checkpoint key -> the model's name: transformers' own renamings for the architecture where it has
-    them (transformers 5: e.g. GPT-NeoX's embed_out -> lm_head), and the base-model prefix added or
-    removed (checkpoints of the bare base model). Keys transformers would fuse or split (some MoE
-    layouts) match nothing here: they are reported, and such models load at stages 0-2."""
-    prefix = getattr(model, "base_model_prefix", "")
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-        mapping = get_model_conversion_mapping(model)
-    except (ImportError, AttributeError, TypeError):  # transformers 4.x: names are used as they are
-        mapping, rename_source_key = [], None
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-
-    def name_for_key(key: str, names: set[str]) -> str | None:
-        if rename_source_key is not None:
-            renamed, converter = rename_source_key(key, renamings, converters, prefix or None, dict.fromkeys(names, True))
-            if converter is None and renamed in names:
-                return renamed
-            if converter is not None:
-                return None
-        for candidate in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")):
-            if candidate in names:
-                return candidate
-        return None
-    return name_for_key
 
 
 def _raise_if_not_loaded(config: RunConfig, info: dict[str, list]) -> None:
