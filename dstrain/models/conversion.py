@@ -60,9 +60,10 @@ class Group:
         values = self._convert(lambda s: torch.empty(s.shape, dtype=s.dtype, device="meta"), model)
         return {name: tuple(value.shape) for name, value in values.items()}
 
-    def values(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """The output tensors, read from the files and converted."""
-        return self._convert(lambda s: s.read(), model)
+    def values(self, model: nn.Module | None = None,
+               read: Callable[[StoredTensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The output tensors, read from the files (or by READ) and converted."""
+        return self._convert(read or (lambda s: s.read()), model)
 
     def _convert(self, read: Callable[[StoredTensor], torch.Tensor], model) -> dict[str, torch.Tensor]:
         if self.transform is None:

@@ -30,7 +30,7 @@ from torch import nn
 from dstrain.config.schema import PEFT_ARGUMENTS, LoraConfig, RunConfig
 from dstrain.models import preference_loss
 from dstrain.models.preference import LogpsHead, LogpsRequest
-from dstrain.rundir import HF_SOURCE
+from dstrain.rundir import HF_SOURCE, HF_SOURCE_KEYS
 from dstrain.errors import UserError, require_package
 
 PREFIX = "hf:"
@@ -715,6 +715,9 @@ def save_source(config: RunConfig, run_dir: Path) -> None:
                 shutil.copyfile(path, target / path.name)
     else:  # a hub id: the same files, through transformers (cached by huggingface_hub)
         _save_from_hub(config, target)
+    keys = source_weight_keys(config)
+    if keys is not None:  # the export writes the layout these keys have (dstrain.models.conversion)
+        (target / HF_SOURCE_KEYS).write_text(json.dumps({"keys": keys}) + "\n")
     from dstrain.data.templates import named_or_file, uses_template
     if config.data.chat_template is not None and uses_template(config.data):
         # the template the run trained in goes with the exports, so `generate --chat` talks in it
@@ -725,6 +728,28 @@ def save_source(config: RunConfig, run_dir: Path) -> None:
         adapter = peft_config(config.model.lora, is_reward(config))
         adapter.base_model_name_or_path = str(source.resolve()) if source.is_dir() else source_of(config)
         adapter.save_pretrained(str(target))
+
+
+def source_weight_keys(config: RunConfig) -> list[str] | None:
+    """The keys of the model's weight files as published (read from the index or the safetensors headers, no
+    values), or None where they cannot be read without downloading the weights (torch .bin files; a hub id
+    whose safetensors metadata is out of reach): the export then writes the layout save_pretrained writes."""
+    source = Path(source_of(config))
+    try:
+        if not source.is_dir():
+            hub = require("huggingface_hub", where(config))
+            _, load, _ = _split_kwargs(config)
+            return sorted(hub.get_safetensors_metadata(source_of(config), revision=load.get("revision")).weight_map)
+        index = source / "model.safetensors.index.json"
+        if index.is_file():
+            return sorted(json.loads(index.read_text())["weight_map"])
+        if (source / "model.safetensors").is_file():
+            from safetensors import safe_open
+            with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
+                return sorted(handle.keys())
+    except Exception:  # noqa: BLE001 - offline, gated or unreadable: the export falls back to save_pretrained's layout
+        return None
+    return None
 
 
 def _save_from_hub(config: RunConfig, target: Path) -> None:

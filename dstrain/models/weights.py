@@ -98,7 +98,12 @@ def load_into(model: nn.Module, files: list[Path], route: Router, zero3: bool,
     with ExitStack() as stack, torch.no_grad():
         groups, report.unexpected = route(list(stored_tensors(files, stack)), names)
         for group in groups:
-            shapes = group.shapes(model)
+            try:
+                shapes = group.shapes(model)
+            except (RuntimeError, ValueError, IndexError) as err:  # the tensors do not fit together
+                report.mismatched.append(f"{group.target}: transformers' conversion of {len(group.keys)} tensors "
+                                         f"({group.keys[0]}, ...) fails: {str(err).splitlines()[0]}")
+                continue
             unknown = [name for name in shapes if name not in names]
             if unknown:
                 report.unexpected.extend(unknown if group.transform is not None else group.keys)

@@ -1,0 +1,75 @@
+"""tests/test_moe.py's rank: for each family in params["families"], a tiny MoE model saved in the published
+per-expert layout is built through dstrain's ZeRO-3 path (zero.Init, transformers' conversions applied group
+by group), one step is trained with a real deepspeed.initialize at stage 3, the checkpoint is saved and
+exported with `convert-checkpoint --format hf`'s writer. Reports the first step's loss beside transformers'
+own from_pretrained model's on the same batch, the exported folder's layout beside the source's, and the
+export's logits beside the trained model's."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import deepspeed
+import torch
+import transformers
+from safetensors import safe_open
+
+from dstrain.config.schema import RunConfig
+from dstrain.models import hf
+from dstrain.rank.runtime import end_rank
+from dstrain.tools.convert.hf_folder import export_hf_folder
+from moe_families import save_moe
+from scripts.rank_setup import parameters, result, start_rank
+
+
+def layout(folder: Path) -> dict[str, list[int]]:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        return {key: list(handle.get_slice(key).get_shape()) for key in handle.keys()}
+
+
+def family_case(family: str, root: Path, model_kwargs: dict) -> dict:
+    source = save_moe(family, root / family)
+    config = RunConfig.model_validate({"model": {"name": f"hf:{source}", "kwargs": model_kwargs}})
+    run_dir = root / f"{family}-run"
+    hf.save_source(config, run_dir)  # as `dstrain run` does at launch: config, tokenizer, the source's keys
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    model = hf.build_pretrained(config, ds_config, torch.device("cpu"))
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+    inputs = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": inputs, "labels": inputs.clone()}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source, **model_kwargs)
+    with torch.no_grad():
+        expected = reference(**batch).loss.item()
+    loss = engine(batch)
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(str(run_dir / "checkpoints"), tag="step1")
+    engine.eval()
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        trained = engine.module.model(input_ids=inputs).logits
+    export = export_hf_folder(run_dir / "checkpoints", root / f"{family}-export", tag="step1")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(export.folder)
+    with torch.no_grad():
+        logits = exported(input_ids=inputs).logits
+    source_layout, export_layout = layout(source), layout(export.folder)
+    return {"family": family, "loss": loss.item(), "expected": expected,
+            "per_expert_keys": sum(".experts.0." in key for key in source_layout),
+            "same_layout": source_layout == export_layout,
+            "layout_difference": sorted(set(source_layout) ^ set(export_layout))[:6],
+            "export_vs_trained": (logits - trained).abs().max().item(),
+            "trained_moved": (trained - reference(input_ids=inputs).logits).abs().max().item()}
+
+
+def main() -> None:
+    params = parameters()
+    start_rank(params)
+    root = Path(tempfile.mkdtemp())
+    result([family_case(family, root, params.get("model_kwargs", {})) for family in params["families"]])
+
+
+if __name__ == "__main__":
+    main()
+    end_rank()

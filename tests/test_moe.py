@@ -1,0 +1,126 @@
+"""Mixture-of-experts models (issue 53): checkpoints in the published per-expert layout load at ZeRO stage 3
+through transformers' own conversions, train, and export in the layout they came in."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from dstrain.config.schema import RunConfig  # noqa: E402
+from dstrain.errors import UserError  # noqa: E402
+from dstrain.models import hf  # noqa: E402
+from dstrain.models.conversion import load_router  # noqa: E402
+from dstrain.models.weights import load_into, raise_if_incomplete  # noqa: E402
+from dstrain.tools.convert.hf_folder import folder_from_weights  # noqa: E402
+from moe_families import FAMILIES, save_moe  # noqa: E402
+from one_rank import run_script  # noqa: E402
+
+
+def layout(folder) -> dict[str, list[int]]:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        return {key: list(handle.get_slice(key).get_shape()) for key in handle.keys()}
+
+
+@pytest.mark.slow
+def test_moe_families_as_published_load_train_and_export_as_published_at_zero3():
+    """Qwen3-MoE (12 experts: the fused order is 0..11, not the files' 0, 1, 10, 11, 2 ...), Mixtral
+    (block_sparse_moe.experts.<i>.w1/w2/w3, renamed and fused) and DeepSeek-V3 (shared experts, a dense first
+    layer): one ZeRO-3 step in a one-rank gloo group, its checkpoint exported as convert-checkpoint does."""
+    rows = run_script("moe_stage3", {"families": list(FAMILIES)})
+    assert [row["family"] for row in rows] == list(FAMILIES)
+    for row in rows:
+        assert row["per_expert_keys"] > 0, row  # the source is in the published per-expert layout
+        assert row["loss"] == pytest.approx(row["expected"], abs=1e-6), row  # transformers' own model, same batch
+        assert row["same_layout"], row  # the export's keys and shapes are the source's
+        assert row["export_vs_trained"] < 1e-5, row  # from_pretrained of the export is the trained model
+        assert row["trained_moved"] > 1e-3, row  # the step changed the weights the export holds
+
+
+def zero_model(folder):
+    """FOLDER's architecture with every weight zero (fused experts), as the loader gets it before the copy."""
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    return model
+
+
+def test_the_loader_fuses_per_expert_tensors_as_from_pretrained_does(tmp_path):
+    folder = save_moe("qwen3_moe", tmp_path / "moe")
+    model = zero_model(folder)
+    report = load_into(model, [folder / "model.safetensors"], load_router(model), zero3=False)
+    assert report.missing == report.unexpected == report.mismatched == []
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("drop, problem", [
+    # 12 gate_proj but 11 up_proj tensors do not concatenate
+    ("model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.1.mlp.experts.gate_up_proj: transformers' "
+                                                    "conversion of 23 tensors"),
+    # 11 experts of each: fused, one expert short
+    ("model.layers.1.mlp.experts.7.", "model.layers.1.mlp.experts.gate_up_proj: [11, 32, 32] in the file (from 22 "
+                                      "tensors), [12, 32, 32] in the model"),
+    (".mlp.experts.", "missing from the weights: model.layers.0.mlp.experts.gate_up_proj"),
+])
+def test_a_checkpoint_that_misses_expert_tensors_stops_the_load_naming_the_fused_parameter(tmp_path, drop, problem):
+    folder = save_moe("qwen3_moe", tmp_path / "moe")
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        weights = {key: handle.get_tensor(key) for key in handle.keys() if drop not in key}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    model = zero_model(folder)
+    report = load_into(model, [folder / "model.safetensors"], load_router(model), zero3=False)
+    with pytest.raises(UserError) as err:
+        raise_if_incomplete(report, "model.name: hf:moe", "fix")
+    assert problem in str(err.value)
+
+
+def exported_layout(folder, source, tmp_path, keys_recorded=True):
+    """Export the model that SOURCE loads into as the run's hf_source/ of SOURCE would: its layout."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    save_file({f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "trained.safetensors")
+    config = RunConfig.model_validate({"model": {"name": f"hf:{source}"}})
+    hf.save_source(config, tmp_path / "run")
+    if not keys_recorded:  # a run directory from before the source's keys were recorded
+        (tmp_path / "run" / "hf_source" / "dstrain_source_keys.json").unlink()
+    out = tmp_path / "exported"
+    folder_from_weights(tmp_path / "trained.safetensors", tmp_path / "run" / "hf_source", out)
+    inputs = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        difference = (transformers.AutoModelForCausalLM.from_pretrained(out)(input_ids=inputs).logits
+                      - model(input_ids=inputs).logits).abs().max().item()
+    assert difference == 0.0
+    return layout(out)
+
+
+def test_the_export_writes_the_sources_layout_fused_when_it_was_fused(tmp_path):
+    folder = save_moe("mixtral", tmp_path / "moe")
+    fused = tmp_path / "fused"  # the same weights as transformers 5 holds them (what an older export wrote)
+    fused.mkdir()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, fused / "model.safetensors",
+              metadata={"format": "pt"})
+    shutil.copy(folder / "config.json", fused)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in layout(fused)
+    assert exported_layout(fused, fused, tmp_path) == layout(fused)
+
+
+def test_an_export_without_the_sources_keys_writes_the_published_layout_as_save_pretrained(tmp_path):
+    folder = save_moe("mixtral", tmp_path / "moe")
+    assert exported_layout(folder, folder, tmp_path, keys_recorded=False) == layout(folder)
+
+
+def test_the_run_directory_records_the_sources_weight_keys(tmp_path):
+    folder = save_moe("deepseek_v3", tmp_path / "moe")
+    hf.save_source(RunConfig.model_validate({"model": {"name": f"hf:{folder}"}}), tmp_path / "run")
+    keys = json.loads((tmp_path / "run" / "hf_source" / "dstrain_source_keys.json").read_text())["keys"]
+    assert keys == sorted(layout(folder))
