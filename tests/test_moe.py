@@ -32,8 +32,9 @@ def layout(folder) -> dict[str, list[int]]:
 def test_moe_families_as_published_load_train_and_export_as_published_at_zero3():
     """Qwen3-MoE (12 experts: the fused order is 0..11, not the files' 0, 1, 10, 11, 2 ...), Mixtral
     (block_sparse_moe.experts.<i>.w1/w2/w3, renamed and fused) and DeepSeek-V3 (shared experts, a dense first
-    layer): one ZeRO-3 step in a one-rank gloo group, its checkpoint exported as convert-checkpoint does."""
-    rows = run_script("moe_stage3", {"families": list(FAMILIES)})
+    layer): one ZeRO-3 step in a one-rank gloo group, its checkpoint exported as convert-checkpoint does. The
+    router's balancing loss is on (model.kwargs output_router_logits): the loss is transformers' own, with it."""
+    rows = run_script("moe_stage3", {"families": list(FAMILIES), "model_kwargs": {"output_router_logits": True}})
     assert [row["family"] for row in rows] == list(FAMILIES)
     for row in rows:
         assert row["per_expert_keys"] > 0, row  # the source is in the published per-expert layout
@@ -41,6 +42,15 @@ def test_moe_families_as_published_load_train_and_export_as_published_at_zero3()
         assert row["same_layout"], row  # the export's keys and shapes are the source's
         assert row["export_vs_trained"] < 1e-5, row  # from_pretrained of the export is the trained model
         assert row["trained_moved"] > 1e-3, row  # the step changed the weights the export holds
+        router = row["router"]
+        # every token goes to top_k experts in every MoE layer; the busiest expert has at least the mean
+        assert sum(router["expert_tokens"]) == row["tokens"] * row["top_k"] * row["moe_layers"], row
+        assert router["expert_load"] >= 1.0, row
+        if row["family"] == "deepseek_v3":  # balanced by its routing bias, no balancing loss in transformers
+            assert "aux_loss" not in router, row
+        else:  # logged apart: the LM loss and the balancing loss make the loss
+            assert router["aux_loss"] > 0, row
+            assert router["lm_loss"] + row["coef"] * router["aux_loss"] == pytest.approx(row["loss"], abs=1e-5), row
 
 
 def zero_model(folder):
@@ -124,3 +134,56 @@ def test_the_run_directory_records_the_sources_weight_keys(tmp_path):
     hf.save_source(RunConfig.model_validate({"model": {"name": f"hf:{folder}"}}), tmp_path / "run")
     keys = json.loads((tmp_path / "run" / "hf_source" / "dstrain_source_keys.json").read_text())["keys"]
     assert keys == sorted(layout(folder))
+
+
+def test_the_balancing_loss_enters_dstrains_own_loss_as_transformers_adds_it(tmp_path):
+    """Batches of (inputs, shifted targets), whose LM loss dstrain computes: the loss is transformers' with
+    labels (the LM loss plus router_aux_loss_coef x aux_loss); the window's values say both parts; evaluation
+    forwards count in neither."""
+    folder = save_moe("mixtral", tmp_path / "moe")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, output_router_logits=True, router_aux_loss_coef=0.5)
+    inputs = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    targets = torch.cat([inputs[:, 1:], torch.full((2, 1), -100)], dim=1)
+    with torch.no_grad():
+        expected = model(input_ids=inputs, labels=inputs)
+        wrapped = hf.CausalLM(model).train()
+        loss = wrapped((inputs, targets))
+        wrapped.eval()
+        wrapped((inputs, targets))  # an evaluation: not in the window
+    assert loss.item() == pytest.approx(expected.loss.item(), abs=1e-5)
+    values = wrapped.router_stats.reduce()
+    assert values["aux_loss"] == pytest.approx(expected.aux_loss.item(), abs=1e-6)
+    assert values["lm_loss"] == pytest.approx(expected.loss.item() - 0.5 * expected.aux_loss.item(), abs=1e-5)
+    assert sum(values["expert_tokens"]) == inputs.numel() * 2 * 2  # top-2 experts, 2 MoE layers
+    assert wrapped.router_stats.reduce() == {}  # reduce starts a new window
+
+
+def test_a_model_without_experts_keeps_no_router_stats(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    assert hf.CausalLM(transformers.AutoModelForCausalLM.from_config(config)).router_stats is None
+
+
+def test_the_experts_load_goes_to_metrics_jsonl_the_trackers_numbers_and_dstrain_report(tmp_path):
+    from typer.testing import CliRunner
+
+    from dstrain.cli import app
+    from dstrain.rank.metrics import MetricsLog
+    from dstrain.rank.trackers import open_trackers
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = MetricsLog(run_dir, True, max_steps=2, tokens_per_step=64, flops_per_token=1e6, world=1,
+                         device=torch.device("cpu"), trackers=open_trackers(["csv"], run_dir, {}, 0))
+    metrics.start(0)
+    for step in (1, 2):
+        metrics.log_step(step, 3.0, 1e-3, elapsed=0.5, steps=1, stats={
+            "lm_loss": 2.99, "aux_loss": 2.0 + step, "expert_load": 1.5, "expert_tokens": [40, 30, 20, 30]})
+    metrics.finish(type("State", (), {"step": 2, "stopped_by": None})())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["expert_tokens"] == [40, 30, 20, 30] and rows[1]["aux_loss"] == 3.0
+    csv_text = (run_dir / "metrics.csv").read_text()
+    assert "expert_load" in csv_text and "expert_tokens" not in csv_text  # trackers get the numbers
+    result = CliRunner().invoke(app, ["report", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert "run: experts' load 1.5 (max/mean) at step 2, balancing loss 4, tokens per expert 40 30 20 30" in result.output
+    assert (run_dir / "report-expert_load.png").is_file() and (run_dir / "report-moe_loss.png").is_file()

@@ -113,6 +113,10 @@ class CausalLM(nn.Module):
         self.logps_head: nn.Module | None = None  # preference objectives (dstrain.models.preference.attach)
         self._logps_body: tuple[nn.Module, ...] = ()
         self.preference = None
+        from dstrain.models.moe import RouterStats
+        router = RouterStats(_unwrapped(model))
+        self.router_stats = router if router else None
+        """A mixture-of-experts model's balancing loss and experts' load since the last log line (else None)."""
         if chunking is False:
             return
         from dstrain.config.schema import LOSS_CHUNKING_MIN_VOCAB
@@ -151,12 +155,21 @@ class CausalLM(nn.Module):
                 # transformers' shift: position t predicts label t + 1, the last position nothing
                 return self._chunked_loss(inputs, F.pad(batch["labels"][:, 1:], (0, 1), value=-100))
             # No cache: transformers looks for packed examples in the position ids only without one.
-            return self.model(**batch, use_cache=False).loss
+            out = self.model(**batch, use_cache=False)
+            if self.router_stats is not None:  # transformers' loss holds the balancing loss where it counts
+                self.router_stats.add_losses(out.loss, getattr(out, "aux_loss", None), self.training)
+            return out.loss
         inputs, targets = batch
         if self.lm_loss is not None:
             return self._chunked_loss({"input_ids": inputs}, targets)
-        logits = self.model(input_ids=inputs, use_cache=False).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        out = self.model(input_ids=inputs, use_cache=False)
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        if self.router_stats is not None:
+            aux = getattr(out, "aux_loss", None)
+            if aux is not None and self.router_stats.coef is not None:  # as transformers adds it to its loss
+                loss = loss + self.router_stats.coef * aux.to(loss.device)
+            self.router_stats.add_losses(loss, aux, self.training)
+        return loss
 
     def enable_logps(self, chunk: int) -> None:
         """Preference objectives: per-token log-probs from the decoder body's hidden states through a

@@ -3,7 +3,8 @@ per-expert layout is built through dstrain's ZeRO-3 path (zero.Init, transformer
 by group), one step is trained with a real deepspeed.initialize at stage 3, the checkpoint is saved and
 exported with `convert-checkpoint --format hf`'s writer. Reports the first step's loss beside transformers'
 own from_pretrained model's on the same batch, the exported folder's layout beside the source's, and the
-export's logits beside the trained model's."""
+export's logits beside the trained model's, and what the loop would log of the router (lm_loss, aux_loss,
+expert_load, expert_tokens)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def family_case(family: str, root: Path, model_kwargs: dict) -> dict:
     loss = engine(batch)
     engine.backward(loss)
     engine.step()
+    router = engine.module.router_stats.reduce()  # what the loop logs: the balancing loss apart, the load
     engine.save_checkpoint(str(run_dir / "checkpoints"), tag="step1")
     engine.eval()
     with torch.no_grad(), deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
@@ -60,7 +62,10 @@ def family_case(family: str, root: Path, model_kwargs: dict) -> dict:
             "same_layout": source_layout == export_layout,
             "layout_difference": sorted(set(source_layout) ^ set(export_layout))[:6],
             "export_vs_trained": (logits - trained).abs().max().item(),
-            "trained_moved": (trained - reference(input_ids=inputs).logits).abs().max().item()}
+            "trained_moved": (trained - reference(input_ids=inputs).logits).abs().max().item(),
+            "router": router, "coef": getattr(reference.config, "router_aux_loss_coef", None),
+            "moe_layers": sum(1 for name, _ in reference.named_modules() if name.endswith("mlp.experts")),
+            "top_k": reference.config.num_experts_per_tok, "tokens": inputs.numel()}
 
 
 def main() -> None:
