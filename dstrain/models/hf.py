@@ -561,6 +561,7 @@ def _build_zero3(config: RunConfig, ds_config: dict, hf_config) -> nn.Module:
     # dynamo's first import checks torch.Tensor.__new__, which zero.Init replaces, and fails
     # ("Signature mismatch ... tensor_pynew"). Imported before, it finds the original.
     import torch._dynamo  # noqa: F401
+    _import_model_classes(config, hf_config)
     with deepspeed.zero.Init(config_dict_or_path=ds_config), no_init_weights():  # every weight is loaded next
         model = _from_config(config, hf_config)
     if hasattr(model, "tie_weights"):
@@ -577,6 +578,18 @@ def _build_zero3(config: RunConfig, ds_config: dict, hf_config) -> nn.Module:
     if reward and not any(name.startswith("score.") for name in report.loaded):
         init_new_module(model, model.score)
     return model
+
+
+def _import_model_classes(config: RunConfig, hf_config) -> None:
+    """Import the architecture's modeling module before zero.Init. A class defined inside zero.Init has its
+    __init__ wrapped by DeepSpeed as it is created, before transformers' class decorators run, and DeepSpeed
+    puts that first __init__ back when the context ends: the decorators' __init__ is lost for every model
+    built later in the process (transformers 5's MoE experts then lack `config`, and a second model of the
+    architecture, a preference reference or transformers' own, fails in its forward)."""
+    try:
+        auto_class(config)._model_mapping[type(hf_config)]  # transformers' lazy mapping imports the module
+    except (KeyError, AttributeError, ImportError):  # remote code: its module is imported by from_config
+        pass
 
 
 def init_new_module(model: nn.Module, module: nn.Module) -> None:

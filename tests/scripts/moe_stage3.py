@@ -1,4 +1,4 @@
-"""tests/test_moe.py's rank: for each family in params["families"], a tiny MoE model saved in the published
+"""tests/test_moe.py's ranks (one, or two with different tokens each): for each family in params["families"], a tiny MoE model saved in the published
 per-expert layout is built through dstrain's ZeRO-3 path (zero.Init, transformers' conversions applied group
 by group), one step is trained with a real deepspeed.initialize at stage 3, the checkpoint is saved and
 exported with `convert-checkpoint --format hf`'s writer. Reports the first step's loss beside transformers'
@@ -9,7 +9,6 @@ expert_load, expert_tokens)."""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import deepspeed
@@ -31,15 +30,19 @@ def layout(folder: Path) -> dict[str, list[int]]:
 
 
 def family_case(family: str, root: Path, model_kwargs: dict) -> dict:
-    source = save_moe(family, root / family)
+    rank = torch.distributed.get_rank()
+    source, run_dir = root / family, root / f"{family}-run"
     config = RunConfig.model_validate({"model": {"name": f"hf:{source}", "kwargs": model_kwargs}})
-    run_dir = root / f"{family}-run"
-    hf.save_source(config, run_dir)  # as `dstrain run` does at launch: config, tokenizer, the source's keys
+    if rank == 0:  # rank 1 meets the architecture first inside zero.Init (hf._import_model_classes)
+        save_moe(family, source)
+        hf.save_source(config, run_dir)  # as `dstrain run` does at launch: config, tokenizer, the source's keys
+    torch.distributed.barrier()
     ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     model = hf.build_pretrained(config, ds_config, torch.device("cpu"))
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
-    inputs = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    # each rank its own tokens: the ranks route to different experts
+    inputs = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1 + rank))
     batch = {"input_ids": inputs, "labels": inputs.clone()}
     reference = transformers.AutoModelForCausalLM.from_pretrained(source, **model_kwargs)
     with torch.no_grad():
@@ -52,11 +55,13 @@ def family_case(family: str, root: Path, model_kwargs: dict) -> dict:
     engine.eval()
     with torch.no_grad(), deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         trained = engine.module.model(input_ids=inputs).logits
-    export = export_hf_folder(run_dir / "checkpoints", root / f"{family}-export", tag="step1")
-    exported = transformers.AutoModelForCausalLM.from_pretrained(export.folder)
+    if rank == 0:
+        export_hf_folder(run_dir / "checkpoints", root / f"{family}-export", tag="step1")
+    torch.distributed.barrier()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(root / f"{family}-export")
     with torch.no_grad():
         logits = exported(input_ids=inputs).logits
-    source_layout, export_layout = layout(source), layout(export.folder)
+    source_layout, export_layout = layout(source), layout(root / f"{family}-export")
     return {"family": family, "loss": loss.item(), "expected": expected,
             "per_expert_keys": sum(".experts.0." in key for key in source_layout),
             "same_layout": source_layout == export_layout,
@@ -65,13 +70,14 @@ def family_case(family: str, root: Path, model_kwargs: dict) -> dict:
             "trained_moved": (trained - reference(input_ids=inputs).logits).abs().max().item(),
             "router": router, "coef": getattr(reference.config, "router_aux_loss_coef", None),
             "moe_layers": sum(1 for name, _ in reference.named_modules() if name.endswith("mlp.experts")),
-            "top_k": reference.config.num_experts_per_tok, "tokens": inputs.numel()}
+            "top_k": reference.config.num_experts_per_tok, "tokens": inputs.numel(),
+            "ranks": torch.distributed.get_world_size()}
 
 
 def main() -> None:
     params = parameters()
     start_rank(params)
-    root = Path(tempfile.mkdtemp())
+    root = Path(params["root"])
     result([family_case(family, root, params.get("model_kwargs", {})) for family in params["families"]])
 
 
