@@ -192,3 +192,43 @@ def test_the_experts_load_goes_to_metrics_jsonl_the_trackers_numbers_and_dstrain
     assert result.exit_code == 0, result.output
     assert "run: experts' load 1.5 (max/mean) at step 2, balancing loss 4, tokens per expert 40 30 20 30" in result.output
     assert (run_dir / "report-expert_load.png").is_file() and (run_dir / "report-moe_loss.png").is_file()
+
+
+# ------------------------------------------------------------------ estimate: total for memory, active for compute
+
+
+def test_estimate_holds_a_moe_shapes_total_parameters_in_memory_and_counts_its_active_ones_for_compute():
+    from dstrain.tools.estimate.planner import make_plan
+    dense = make_plan(None, [], 30e9, 8, 1, 80, 1024, "cuda")
+    moe = make_plan(None, [], "30e9/3e9", 8, 1, 80, 1024, "cuda")
+    assert moe.workload.params == dense.workload.params == int(30e9)
+    assert moe.workload.active_params == int(3e9) and dense.workload.active_params == int(30e9)
+    # the memory is the total's: every preset's estimate as the dense model's of the same size
+    assert [e.gpu_bytes_per_gpu for e in moe.estimates] == [e.gpu_bytes_per_gpu for e in dense.estimates]
+    assert any("compute for the 3e+09 a token runs through" in note for note in moe.notes)
+
+
+@pytest.mark.parametrize("value, problem", [("3e9/30e9", "the active part at most the total"),
+                                            ("thirty", "not a parameter count")])
+def test_estimate_names_a_params_value_it_cannot_read(value, problem):
+    from dstrain.tools.estimate.planner import make_plan
+    with pytest.raises(UserError, match=problem) as err:
+        make_plan(None, [], value, 8, 1, 80, 1024, "cuda")
+    assert err.value.problems[0].where == "--params" and "30e9/3e9" in err.value.problems[0].fix
+
+
+def test_estimate_of_an_hf_moe_folder_counts_the_experts_a_token_runs_through(tmp_path):
+    from dstrain.models import flops_per_token
+    from dstrain.tools.estimate.planner import make_plan
+    folder = save_moe("qwen3_moe", tmp_path / "moe")
+    plan = make_plan(None, ["data.tokenizer=byte"], f"hf:{folder}", 1, 1, 80, 64, "cuda")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    total = sum(p.numel() for p in reference.parameters())
+    experts = sum(p.numel() for name, p in reference.named_parameters() if ".mlp.experts." in name)
+    assert plan.workload.params == total
+    assert plan.workload.active_params == total - experts * (12 - 2) // 12  # top-2 of 12 experts
+    # a run's MFU counts the same: 6 x (active parameters - the embedding lookup) + attention
+    config = RunConfig.model_validate({"model": {"name": f"hf:{folder}"}, "data": {"seq_len": 16}})
+    lookup = reference.get_input_embeddings().weight.numel()
+    assert flops_per_token(hf.CausalLM(reference), config, total) == (
+        6.0 * (plan.workload.active_params - lookup) + 12.0 * 2 * 32 * 16)

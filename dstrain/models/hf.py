@@ -318,7 +318,10 @@ def sequence_parallel_problem(hf_config, sp: int) -> str | None:
 def flops_per_token(model: CausalLM, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token, as for the built-in GPT: 6 x the parameters used in matrix products
     (the input embedding is a lookup; a tied output head is a product) + 12 x layers x width x sequence
-    for attention. Frozen weights (LoRA) are counted as trained: an upper bound of the work done."""
+    for attention. Frozen weights (LoRA) are counted as trained: an upper bound of the work done. A
+    mixture-of-experts model counts its active parameters: each token runs top-k of each layer's experts."""
+    from dstrain.models.moe import inactive_parameters
+    n_params -= inactive_parameters(_unwrapped(model.model))
     config = model.model.config
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
     width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)

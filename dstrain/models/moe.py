@@ -27,6 +27,32 @@ def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
             and isinstance(getattr(module, "down_proj"), nn.Parameter)}
 
 
+def experts_per_token(model: nn.Module) -> int | None:
+    """How many routed experts each token goes to (the config's num_experts_per_tok or its older names)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config  # a multimodal model's language side
+    for name in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def inactive_parameters(model: nn.Module) -> int:
+    """The routed experts' parameters a token does not use: in every MoE layer, (E - k) / E of its experts
+    module's parameters, with E experts and k per token. 0 for a dense model. Shared experts and the router
+    run for every token and count as active. Works on the meta device and on ZeRO-3 partitions."""
+    top_k = experts_per_token(model)
+    if top_k is None:
+        return 0
+    inactive = 0
+    for module in experts_modules(model).values():
+        experts = module.num_experts
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+        inactive += numel * max(experts - top_k, 0) // experts
+    return inactive
+
+
 def aux_loss_coef(model: nn.Module) -> float | None:
     """router_aux_loss_coef where the model's config asks for the balancing loss (output_router_logits),
     else None."""
