@@ -19,7 +19,7 @@ from dstrain.models import hf  # noqa: E402
 from dstrain.models.conversion import load_router  # noqa: E402
 from dstrain.models.weights import load_into, raise_if_incomplete  # noqa: E402
 from dstrain.tools.convert.hf_folder import folder_from_weights  # noqa: E402
-from moe_families import FAMILIES, save_moe  # noqa: E402
+from hf_families import DENSE_FAMILIES, FAMILIES, save_family  # noqa: E402
 from one_rank import run_script  # noqa: E402
 
 
@@ -29,22 +29,28 @@ def layout(folder) -> dict[str, list[int]]:
 
 
 @pytest.mark.slow
-def test_moe_families_as_published_load_train_and_export_as_published_at_zero3(tmp_path):
+def test_families_as_published_load_train_and_export_as_published_at_zero3(tmp_path):
     """Qwen3-MoE (12 experts: the fused order is 0..11, not the files' 0, 1, 10, 11, 2 ...), Mixtral
-    (block_sparse_moe.experts.<i>.w1/w2/w3, renamed and fused) and DeepSeek-V3 (shared experts, a dense first
-    layer): one ZeRO-3 step on two ranks (gloo) with different tokens each, so they route to different experts
-    (and do not hang), its checkpoint exported as convert-checkpoint does. The router's balancing loss is on
-    (model.kwargs output_router_logits): each rank's loss is transformers' own on its batch, with it."""
-    ranks = run_script("moe_stage3", {"families": list(FAMILIES), "root": str(tmp_path),
-                                      "model_kwargs": {"output_router_logits": True}}, ranks=2)
+    (block_sparse_moe.experts.<i>.w1/w2/w3, renamed and fused), DeepSeek-V3 (shared experts, a dense first
+    layer), and dense Qwen2 (biases), Gemma (tied head), GPT-NeoX (its head saved as embed_out): one ZeRO-3 step
+    on two ranks (gloo) with different tokens each, so they route to different experts (and do not hang), the
+    checkpoint exported as convert-checkpoint does. The router's balancing loss is on (model.kwargs
+    output_router_logits): each rank's loss is transformers' own on its batch, with it."""
+    families = [*FAMILIES, *DENSE_FAMILIES]
+    ranks = run_script("hf_stage3_step", {"families": families, "root": str(tmp_path),
+                                          "model_kwargs": {"output_router_logits": True}}, ranks=2)
+    assert [row["family"] for row in ranks[0]] == families
     assert ranks[0][0]["loss"] != ranks[1][0]["loss"]  # different data
     for row in [row for rows in ranks for row in rows]:
-        assert row["per_expert_keys"] > 0, row  # the source is in the published per-expert layout
+        assert (row["per_expert_keys"] > 0) is (row["family"] in FAMILIES), row  # the published layout
         assert row["loss"] == pytest.approx(row["expected"], abs=1e-6), row  # transformers' own model, same batch
-        assert row["same_layout"], row  # the export's keys and shapes are the source's
+        assert row["same_layout"], row  # the export's keys and shapes are the source's (GPT-NeoX: embed_out)
         assert row["export_vs_trained"] < 1e-5, row  # from_pretrained of the export is the trained model
         assert row["trained_moved"] > 1e-3, row  # the step changed the weights the export holds
         router = row["router"]
+        if row["family"] in DENSE_FAMILIES:
+            assert router is None, row
+            continue
         # every token goes to top_k experts in every MoE layer; the busiest expert has at least the mean
         assert sum(router["expert_tokens"]) == row["ranks"] * row["tokens"] * row["top_k"] * row["moe_layers"], row
         assert router["expert_load"] >= 1.0, row
@@ -69,7 +75,7 @@ def zero_model(folder):
 
 @pytest.mark.slow
 def test_the_loader_fuses_per_expert_tensors_as_from_pretrained_does(tmp_path):
-    folder = save_moe("qwen3_moe", tmp_path / "moe")
+    folder = save_family("qwen3_moe", tmp_path / "moe")
     model = zero_model(folder)
     report = load_into(model, [folder / "model.safetensors"], load_router(model), zero3=False)
     assert report.missing == report.unexpected == report.mismatched == []
@@ -88,7 +94,7 @@ def test_the_loader_fuses_per_expert_tensors_as_from_pretrained_does(tmp_path):
     (".mlp.experts.", "missing from the weights: model.layers.0.mlp.experts.gate_up_proj"),
 ])
 def test_a_checkpoint_that_misses_expert_tensors_stops_the_load_naming_the_fused_parameter(tmp_path, drop, problem):
-    folder = save_moe("qwen3_moe", tmp_path / "moe")
+    folder = save_family("qwen3_moe", tmp_path / "moe")
     with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
         weights = {key: handle.get_tensor(key) for key in handle.keys() if drop not in key}
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
@@ -118,7 +124,7 @@ def exported_layout(folder, source, tmp_path, keys_recorded=True):
 
 
 def test_the_export_writes_the_sources_layout_fused_when_it_was_fused(tmp_path):
-    folder = save_moe("mixtral", tmp_path / "moe")
+    folder = save_family("mixtral", tmp_path / "moe")
     fused = tmp_path / "fused"  # the same weights as transformers 5 holds them (what an older export wrote)
     fused.mkdir()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -130,12 +136,12 @@ def test_the_export_writes_the_sources_layout_fused_when_it_was_fused(tmp_path):
 
 
 def test_an_export_without_the_sources_keys_writes_the_published_layout_as_save_pretrained(tmp_path):
-    folder = save_moe("mixtral", tmp_path / "moe")
+    folder = save_family("mixtral", tmp_path / "moe")
     assert exported_layout(folder, folder, tmp_path, keys_recorded=False) == layout(folder)
 
 
 def test_the_run_directory_records_the_sources_weight_keys(tmp_path):
-    folder = save_moe("deepseek_v3", tmp_path / "moe")
+    folder = save_family("deepseek_v3", tmp_path / "moe")
     hf.save_source(RunConfig.model_validate({"model": {"name": f"hf:{folder}"}}), tmp_path / "run")
     keys = json.loads((tmp_path / "run" / "hf_source" / "dstrain_source_keys.json").read_text())["keys"]
     assert keys == sorted(layout(folder))
@@ -145,7 +151,7 @@ def test_the_balancing_loss_enters_dstrains_own_loss_as_transformers_adds_it(tmp
     """Batches of (inputs, shifted targets), whose LM loss dstrain computes: the loss is transformers' with
     labels (the LM loss plus router_aux_loss_coef x aux_loss); the window's values say both parts; evaluation
     forwards count in neither."""
-    folder = save_moe("mixtral", tmp_path / "moe")
+    folder = save_family("mixtral", tmp_path / "moe")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, output_router_logits=True, router_aux_loss_coef=0.5)
     inputs = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
     targets = torch.cat([inputs[:, 1:], torch.full((2, 1), -100)], dim=1)
@@ -220,7 +226,7 @@ def test_estimate_names_a_params_value_it_cannot_read(value, problem):
 def test_estimate_of_an_hf_moe_folder_counts_the_experts_a_token_runs_through(tmp_path):
     from dstrain.models import flops_per_token
     from dstrain.tools.estimate.planner import make_plan
-    folder = save_moe("qwen3_moe", tmp_path / "moe")
+    folder = save_family("qwen3_moe", tmp_path / "moe")
     plan = make_plan(None, ["data.tokenizer=byte"], f"hf:{folder}", 1, 1, 80, 64, "cuda")
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder)
     total = sum(p.numel() for p in reference.parameters())

@@ -1,6 +1,8 @@
-"""Tiny mixture-of-experts models of the families dstrain's MoE tests cover, saved as transformers'
-save_pretrained writes them: the published per-expert layout (experts.<i>.gate_proj/up_proj/down_proj;
-Mixtral's block_sparse_moe.experts.<i>.w1/w2/w3), which transformers 5 fuses into 3-D parameters on load."""
+"""Tiny models of the families dstrain's ZeRO-3 loader and hf export are tested on, saved as transformers'
+save_pretrained writes them. The mixture-of-experts ones in the published per-expert layout
+(experts.<i>.gate_proj/up_proj/down_proj; Mixtral's block_sparse_moe.experts.<i>.w1/w2/w3), which
+transformers 5 fuses into 3-D parameters on load; the dense ones each with a trait of its own: Qwen2's
+biases on q/k/v, Gemma's tied head, GPT-NeoX's head saved as embed_out (renamed to lm_head on load)."""
 
 from __future__ import annotations
 
@@ -22,13 +24,21 @@ def config_of(family: str):
                                              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                                              n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
                                              qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+    dense = dict(SHAPE, intermediate_size=64)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**dense)
+    if family == "gemma":
+        return transformers.GemmaConfig(**dense, head_dim=8)
+    if family == "gpt_neox":
+        return transformers.GPTNeoXConfig(**{k: v for k, v in dense.items() if k != "num_key_value_heads"})
     raise ValueError(family)
 
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+DENSE_FAMILIES = ("qwen2", "gemma", "gpt_neox")
 
 
-def save_moe(family: str, folder: Path, **config_changes) -> Path:
+def save_family(family: str, folder: Path, **config_changes) -> Path:
     """A random tiny model of FAMILY written by save_pretrained into FOLDER (the published layout)."""
     import torch
     import transformers
