@@ -4,10 +4,12 @@ new, the LM head unused, see REWARD_NEW_KEYS).
 
 Owns: reading the model's config.json through transformers' Auto classes (with the model.kwargs
 options), building the model (stage 3: inside deepspeed.zero.Init, weights copied into the partitions
-one tensor at a time by dstrain.models.weights, so no rank holds the whole model; stages 0-2:
+one tensor at a time by dstrain.models.weights, so no rank holds the whole model, through transformers'
+own load-time conversions (dstrain.models.conversion: e.g. a MoE layer's per-expert tensors fused); stages 0-2:
 transformers' own from_pretrained; with model.lora.quantize the base in 4 bits through bitsandbytes),
 LoRA adapters through peft (model.lora's options and their checks), the `CausalLM` wrapper whose
-forward(batch) returns the loss (dstrain's model protocol), the checks `--dry-run` makes (config.json
+forward(batch) returns the loss (dstrain's model protocol; a MoE router's balancing loss in it as transformers
+adds it, dstrain.models.moe), the checks `--dry-run` makes (config.json
 present, architecture known, tokenizer fits the embedding, QLoRA's hardware), and the copy of
 config/tokenizer files (and peft's adapter_config.json) into the run directory that `convert-checkpoint
 --format hf / peft` reads.
