@@ -238,3 +238,44 @@ def test_estimate_of_an_hf_moe_folder_counts_the_experts_a_token_runs_through(tm
     lookup = reference.get_input_embeddings().weight.numel()
     assert flops_per_token(hf.CausalLM(reference), config, total) == (
         6.0 * (plan.workload.active_params - lookup) + 12.0 * 2 * 32 * 16)
+
+
+# ------------------------------------------------------------------ LoRA and packing on a MoE model
+
+
+@pytest.mark.slow
+def test_lora_on_a_moe_models_attention_trains_packed_rows_and_merges_into_the_published_layout(tmp_path):
+    """Adapters on q_proj/v_proj of Qwen3-MoE (the experts frozen), a packed dict batch (two examples told
+    apart by their position ids) with the balancing loss on, and the export: the merged weights in the
+    source's per-expert layout, the logits of peft's own merge."""
+    from safetensors.torch import save_file as save
+
+    from dstrain.rundir import HF_LORA
+    folder = save_family("qwen3_moe", tmp_path / "moe")
+    config = RunConfig.model_validate({"model": {"name": f"hf:{folder}", "kwargs": {"output_router_logits": True},
+                                                 "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}})
+    model = hf.build_pretrained(config, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}},
+                                torch.device("cpu")).train()
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n in dict(model.named_parameters()) if ".lora_" in n}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)  # a trained adapter
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.cat([torch.arange(5), torch.arange(7)])[None]}
+    batch["labels"][0, 5] = -100  # the second example's first token predicts nothing from the first
+    loss = model(batch)
+    loss.backward()
+    assert torch.isfinite(loss) and model.router_stats.reduce()["aux_loss"] > 0
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
+
+    save({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp_path / "w.safetensors")
+    hf.save_source(config, tmp_path / "run")
+    (tmp_path / "run" / "hf_source" / HF_LORA).write_text(json.dumps(hf.lora_layers(model)))
+    folder_from_weights(tmp_path / "w.safetensors", tmp_path / "run" / "hf_source", tmp_path / "out")
+    assert layout(tmp_path / "out") == layout(folder)
+    merged = model.model.merge_and_unload().eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert (exported(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item() < 1e-5
