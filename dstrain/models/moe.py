@@ -114,14 +114,14 @@ class RouterStats:
         import torch.distributed as dist
         names = sorted(self.layers)
         experts = max(module.num_experts for module in self.layers.values())
-        device = next(iter(self._counts.values())).device if self._counts else (self.device or "cpu")
+        device = self.device or (next(iter(self._counts.values())).device if self._counts else "cpu")
         counts = torch.zeros(len(names), experts, device=device, dtype=torch.float64)
         for row, name in enumerate(names):
             if name in self._counts:
                 counts[row, :self._counts[name].numel()] = self._counts[name].to(counts.dtype)
         losses = torch.tensor([0.0, 0.0, float(self._forwards)], device=device, dtype=torch.float64)
         if self._forwards:
-            losses[0], losses[1] = self._lm.double(), self._aux.double()
+            losses[0], losses[1] = self._lm.double().to(device), self._aux.double().to(device)
         if dist.is_initialized():
             dist.all_reduce(counts, group=group)
             dist.all_reduce(losses, group=group)

@@ -114,9 +114,11 @@ class LoopParts:
             **client_state(step), "health": health.client_state(), "early_stop": evaluator.early.client_state()})
         from dstrain.rank.runtime import activation_offload
         preference = PreferenceMetrics(config.train.objective, device) if config.train.objective != "lm" else None
+        router = getattr(engine.module, "router_stats", None)
+        if router is not None:  # its sums meet the other ranks' on this device (NCCL on GPUs)
+            router.device = device
         return cls(train_sampler, device, metrics, guard, evaluator, checkpointer, activation_offload(config),
-                   StepProfiler.build(config, run_dir, dist.get_rank()), preference,
-                   getattr(engine.module, "router_stats", None))
+                   StepProfiler.build(config, run_dir, dist.get_rank()), preference, router)
 
 
 @dataclass
