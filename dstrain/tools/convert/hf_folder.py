@@ -11,9 +11,9 @@ model.safetensors.index.json (DoRA's magnitude applied; a modules_to_save module
 written as the module's weights). The names and layout are the source checkpoint's: where transformers
 converted its keys on load (a mixture-of-experts layer's per-expert tensors fused into 3-D parameters,
 renamed keys), the reverse of those conversions is applied, as save_pretrained does
-(dstrain.models.conversion; the source's keys are in hf_source/, recorded at launch). config.json (its dtype set), generation_config.json and the tokenizer
-files come from the run directory's hf_source/, which `dstrain run` copied from the model at launch.
-The folder is renamed into place at the end, so a failure leaves nothing half-written.
+(dstrain.models.conversion; the source's keys are in hf_source/, recorded at launch). config.json (its
+dtype set), generation_config.json and the tokenizer files come from the run directory's hf_source/,
+which `dstrain run` copied from the model at launch. The folder is renamed into place at the end, so a failure leaves nothing half-written.
 """
 
 from __future__ import annotations
