@@ -13,7 +13,8 @@ converted its keys on load (a mixture-of-experts layer's per-expert tensors fuse
 renamed keys), the reverse of those conversions is applied, as save_pretrained does
 (dstrain.models.conversion; the source's keys are in hf_source/, recorded at launch). config.json (its
 dtype set), generation_config.json and the tokenizer files come from the run directory's hf_source/,
-which `dstrain run` copied from the model at launch. The folder is renamed into place at the end, so a failure leaves nothing half-written.
+which `dstrain run` copied from the model at launch. The folder is renamed into place at the end, so a
+failure leaves nothing half-written.
 """
 
 from __future__ import annotations
