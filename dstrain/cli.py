@@ -170,7 +170,8 @@ def estimate_cmd(
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Highlight this preset (all six are estimated)."),
     config: Optional[Path] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
-    params: Optional[float] = typer.Option(None, "--params", help="Parameter count (e.g. 7e9) instead of the config's model."),
+    params: Optional[str] = typer.Option(None, "--params", help="Instead of the config's model: a parameter count "
+                                         "(7e9), a mixture of experts' total/active (30e9/3e9), or hf:DIR (its config.json)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs per node (default: this machine's)."),
     nodes: int = NodesOpt,
     gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GiB per GPU (default: this machine's)."),
@@ -188,6 +189,10 @@ def estimate_cmd(
       dstrain estimate --config run.yaml --set train.activation_checkpointing=true
 
       dstrain estimate --params 13e9 --gpus 8 --nodes 2 --json
+
+      dstrain estimate --params 30e9/3e9 --gpus 8
+
+      dstrain estimate --params hf:Qwen/Qwen3-30B-A3B --gpus 8
     """
     import json as jsonlib
     from rich.console import Console

@@ -32,6 +32,8 @@ LOCK = "run.lock"                 # held (flock) by the job that owns the direct
 HF_SOURCE = "hf_source"           # an hf: model's config.json, tokenizer files, LoRA layers and peft's
                                   # adapter_config.json (for --format hf / peft)
 HF_LORA = "dstrain_lora.json"     # in HF_SOURCE: each LoRA layer's scaling and layout (written by rank 0)
+HF_SOURCE_KEYS = "dstrain_source_keys.json"  # in HF_SOURCE: the source checkpoint's weight keys, so that
+                                  # --format hf writes its layout (e.g. per-expert MoE tensors)
 RUN_FILES = (CONFIG, DS_CONFIG, LAUNCH)
 GAVE_UP = "run health gave up"    # how a rank's exit record starts when the run health guard gave up
 # "<pid of dstrain run>:<file>": ranks started while `dstrain run` still checks (launcher/early_start.py)

@@ -19,8 +19,8 @@ RANK_BUDGET = 190
 
 # A rank's parent: DeepSpeed's per-node launcher, or torch's elastic launcher (the benchmark suite's torch rows).
 _LAUNCHERS = ("deepspeed.launcher.launch", "torch.distributed.run", "bin/torchrun")
-# One-rank or few-rank processes a test starts itself (tests/one_rank.py, tests/scripts/, hf_stage3_families.py).
-_OWN_RANKS = ("init_distributed", "-m\0scripts.", "hf_stage3_families.py")
+# One-rank or few-rank processes a test starts itself (tests/one_rank.py, tests/scripts/).
+_OWN_RANKS = ("init_distributed", "-m\0scripts.")
 _POLL_S = 0.2  # a rank lives seconds (it imports torch), so a 0.2 s look sees every one
 
 

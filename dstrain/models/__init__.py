@@ -144,7 +144,8 @@ def decoder_layer_facts(model: nn.Module) -> tuple[str | None, int, int]:
 def model_shape(model, config: RunConfig) -> dict[str, Any]:
     """What the memory estimate needs of a built model (Workload fields): layers, width, heads and
     vocabulary (an hf: model's from its config, the built-in GPT's and an entry point's from model.*),
-    and the LM loss's tokens per chunk (None: the whole logits)."""
+    the LM loss's tokens per chunk (None: the whole logits), and a mixture-of-experts model's routed
+    experts' parameters a token does not run through (inactive_params)."""
     lm_loss = getattr(model, "lm_loss", None)
     m = config.model
     shape = {"n_layer": m.n_layer, "d_model": m.d_model, "n_head": m.n_head, "vocab_size": m.vocab_size,
@@ -157,6 +158,10 @@ def model_shape(model, config: RunConfig) -> dict[str, Any]:
             value = next((getattr(hf_config, n) for n in names if isinstance(getattr(hf_config, n, None), int)), None)
             if value:
                 shape[key] = value
+        from dstrain.models.moe import inactive_parameters
+        inactive = inactive_parameters(model.model)
+        if inactive:  # a mixture-of-experts model: compute counts the parameters a token runs through
+            shape["inactive_params"] = inactive
     return shape
 
 

@@ -4,10 +4,12 @@ new, the LM head unused, see REWARD_NEW_KEYS).
 
 Owns: reading the model's config.json through transformers' Auto classes (with the model.kwargs
 options), building the model (stage 3: inside deepspeed.zero.Init, weights copied into the partitions
-one tensor at a time by dstrain.models.weights, so no rank holds the whole model; stages 0-2:
+one tensor at a time by dstrain.models.weights, so no rank holds the whole model, through transformers'
+own load-time conversions (dstrain.models.conversion: e.g. a MoE layer's per-expert tensors fused); stages 0-2:
 transformers' own from_pretrained; with model.lora.quantize the base in 4 bits through bitsandbytes),
 LoRA adapters through peft (model.lora's options and their checks), the `CausalLM` wrapper whose
-forward(batch) returns the loss (dstrain's model protocol), the checks `--dry-run` makes (config.json
+forward(batch) returns the loss (dstrain's model protocol; a MoE router's balancing loss in it as transformers
+adds it, dstrain.models.moe), the checks `--dry-run` makes (config.json
 present, architecture known, tokenizer fits the embedding, QLoRA's hardware), and the copy of
 config/tokenizer files (and peft's adapter_config.json) into the run directory that `convert-checkpoint
 --format hf / peft` reads.
@@ -30,7 +32,7 @@ from torch import nn
 from dstrain.config.schema import PEFT_ARGUMENTS, LoraConfig, RunConfig
 from dstrain.models import preference_loss
 from dstrain.models.preference import LogpsHead, LogpsRequest
-from dstrain.rundir import HF_SOURCE
+from dstrain.rundir import HF_SOURCE, HF_SOURCE_KEYS
 from dstrain.errors import UserError, require_package
 
 PREFIX = "hf:"
@@ -113,6 +115,10 @@ class CausalLM(nn.Module):
         self.logps_head: nn.Module | None = None  # preference objectives (dstrain.models.preference.attach)
         self._logps_body: tuple[nn.Module, ...] = ()
         self.preference = None
+        from dstrain.models.moe import RouterStats
+        router = RouterStats(_unwrapped(model))
+        self.router_stats = router if router else None
+        """A mixture-of-experts model's balancing loss and experts' load since the last log line (else None)."""
         if chunking is False:
             return
         from dstrain.config.schema import LOSS_CHUNKING_MIN_VOCAB
@@ -151,12 +157,21 @@ class CausalLM(nn.Module):
                 # transformers' shift: position t predicts label t + 1, the last position nothing
                 return self._chunked_loss(inputs, F.pad(batch["labels"][:, 1:], (0, 1), value=-100))
             # No cache: transformers looks for packed examples in the position ids only without one.
-            return self.model(**batch, use_cache=False).loss
+            out = self.model(**batch, use_cache=False)
+            if self.router_stats is not None:  # transformers' loss holds the balancing loss where it counts
+                self.router_stats.add_losses(out.loss, getattr(out, "aux_loss", None), self.training)
+            return out.loss
         inputs, targets = batch
         if self.lm_loss is not None:
             return self._chunked_loss({"input_ids": inputs}, targets)
-        logits = self.model(input_ids=inputs, use_cache=False).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        out = self.model(input_ids=inputs, use_cache=False)
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        if self.router_stats is not None:
+            aux = getattr(out, "aux_loss", None)
+            if aux is not None and self.router_stats.coef is not None:  # as transformers adds it to its loss
+                loss = loss + self.router_stats.coef * aux.to(loss.device)
+            self.router_stats.add_losses(loss, aux, self.training)
+        return loss
 
     def enable_logps(self, chunk: int) -> None:
         """Preference objectives: per-token log-probs from the decoder body's hidden states through a
@@ -305,7 +320,10 @@ def sequence_parallel_problem(hf_config, sp: int) -> str | None:
 def flops_per_token(model: CausalLM, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token, as for the built-in GPT: 6 x the parameters used in matrix products
     (the input embedding is a lookup; a tied output head is a product) + 12 x layers x width x sequence
-    for attention. Frozen weights (LoRA) are counted as trained: an upper bound of the work done."""
+    for attention. Frozen weights (LoRA) are counted as trained: an upper bound of the work done. A
+    mixture-of-experts model counts its active parameters: each token runs top-k of each layer's experts."""
+    from dstrain.models.moe import inactive_parameters
+    n_params -= inactive_parameters(_unwrapped(model.model))
     config = model.model.config
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
     width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
@@ -542,18 +560,20 @@ def _build_zero3(config: RunConfig, ds_config: dict, hf_config) -> nn.Module:
     except ImportError:  # transformers 4.x
         from transformers.modeling_utils import no_init_weights
 
+    from dstrain.models.conversion import load_router
     from dstrain.models.weights import load_into, raise_if_incomplete
     # Some architectures (GPT-2) make transformers import torch._dynamo lazily while the model is built;
     # dynamo's first import checks torch.Tensor.__new__, which zero.Init replaces, and fails
     # ("Signature mismatch ... tensor_pynew"). Imported before, it finds the original.
     import torch._dynamo  # noqa: F401
+    _import_model_classes(config, hf_config)
     with deepspeed.zero.Init(config_dict_or_path=ds_config), no_init_weights():  # every weight is loaded next
         model = _from_config(config, hf_config)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # skipped with the initialisation; tied models need it (Gemma, OPT)
-    name_for_key = _key_renamer(model)
     reward = is_reward(config)
-    report = load_into(model, weight_files(config), name_for_key, zero3=True,
+    # transformers' own load-time conversions (renamed keys; MoE experts fused from per-expert tensors)
+    report = load_into(model, weight_files(config), load_router(model), zero3=True,
                        ignore_missing=[*(getattr(model, "_keys_to_ignore_on_load_missing", None) or []),
                                        *(REWARD_NEW_KEYS if reward else ())],
                        ignore_unexpected=[*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
@@ -563,6 +583,18 @@ def _build_zero3(config: RunConfig, ds_config: dict, hf_config) -> nn.Module:
     if reward and not any(name.startswith("score.") for name in report.loaded):
         init_new_module(model, model.score)
     return model
+
+
+def _import_model_classes(config: RunConfig, hf_config) -> None:
+    """Import the architecture's modeling module before zero.Init. A class defined inside zero.Init has its
+    __init__ wrapped by DeepSpeed as it is created, before transformers' class decorators run, and DeepSpeed
+    puts that first __init__ back when the context ends: the decorators' __init__ is lost for every model
+    built later in the process (transformers 5's MoE experts then lack `config`, and a second model of the
+    architecture, a preference reference or transformers' own, fails in its forward)."""
+    try:
+        auto_class(config)._model_mapping[type(hf_config)]  # transformers' lazy mapping imports the module
+    except (KeyError, AttributeError, ImportError):  # remote code: its module is imported by from_config
+        pass
 
 
 def init_new_module(model: nn.Module, module: nn.Module) -> None:
@@ -575,35 +607,6 @@ def init_new_module(model: nn.Module, module: nn.Module) -> None:
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
         if rank == 0:
             model._init_weights(module)
-
-
-def _key_renamer(model: nn.Module) -> Callable[[str, set[str]], str | None]:
-    """Checkpoint key -> the model's name: transformers' own renamings for the architecture where it has
-    them (transformers 5: e.g. GPT-NeoX's embed_out -> lm_head), and the base-model prefix added or
-    removed (checkpoints of the bare base model). Keys transformers would fuse or split (some MoE
-    layouts) match nothing here: they are reported, and such models load at stages 0-2."""
-    prefix = getattr(model, "base_model_prefix", "")
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-        mapping = get_model_conversion_mapping(model)
-    except (ImportError, AttributeError, TypeError):  # transformers 4.x: names are used as they are
-        mapping, rename_source_key = [], None
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-
-    def name_for_key(key: str, names: set[str]) -> str | None:
-        if rename_source_key is not None:
-            renamed, converter = rename_source_key(key, renamings, converters, prefix or None, dict.fromkeys(names, True))
-            if converter is None and renamed in names:
-                return renamed
-            if converter is not None:
-                return None
-        for candidate in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")):
-            if candidate in names:
-                return candidate
-        return None
-    return name_for_key
 
 
 def _raise_if_not_loaded(config: RunConfig, info: dict[str, list]) -> None:
@@ -743,6 +746,9 @@ def save_source(config: RunConfig, run_dir: Path) -> None:
                 shutil.copyfile(path, target / path.name)
     else:  # a hub id: the same files, through transformers (cached by huggingface_hub)
         _save_from_hub(config, target)
+    keys = source_weight_keys(config)
+    if keys is not None:  # the export writes the layout these keys have (dstrain.models.conversion)
+        (target / HF_SOURCE_KEYS).write_text(json.dumps({"keys": keys}) + "\n")
     from dstrain.data.templates import named_or_file, uses_template
     if config.data.chat_template is not None and uses_template(config.data):
         # the template the run trained in goes with the exports, so `generate --chat` talks in it
@@ -753,6 +759,28 @@ def save_source(config: RunConfig, run_dir: Path) -> None:
         adapter = peft_config(config.model.lora, is_reward(config))
         adapter.base_model_name_or_path = str(source.resolve()) if source.is_dir() else source_of(config)
         adapter.save_pretrained(str(target))
+
+
+def source_weight_keys(config: RunConfig) -> list[str] | None:
+    """The keys of the model's weight files as published (read from the index or the safetensors headers, no
+    values), or None where they cannot be read without downloading the weights (torch .bin files; a hub id
+    whose safetensors metadata is out of reach): the export then writes the layout save_pretrained writes."""
+    source = Path(source_of(config))
+    try:
+        if not source.is_dir():
+            hub = require("huggingface_hub", where(config))
+            _, load, _ = _split_kwargs(config)
+            return sorted(hub.get_safetensors_metadata(source_of(config), revision=load.get("revision")).weight_map)
+        index = source / "model.safetensors.index.json"
+        if index.is_file():
+            return sorted(json.loads(index.read_text())["weight_map"])
+        if (source / "model.safetensors").is_file():
+            from safetensors import safe_open
+            with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
+                return sorted(handle.keys())
+    except Exception:  # noqa: BLE001 - offline, gated or unreadable: the export falls back to save_pretrained's layout
+        return None
+    return None
 
 
 def _save_from_hub(config: RunConfig, target: Path) -> None:

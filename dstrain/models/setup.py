@@ -88,7 +88,7 @@ _INIT_FIX = ("train.init_from must hold exactly this model's weights under its s
 
 def load_init_from(config: RunConfig, model: nn.Module, zero3: bool) -> None:
     """Copy the init_from weights into the built model (ZeRO-3: one gathered tensor at a time)."""
-    from dstrain.models.weights import load_into, raise_if_incomplete
+    from dstrain.models.weights import load_into, plain_route, raise_if_incomplete
     path = init_path(config)
-    report = load_into(model, [path], lambda key, names: key if key in names else None, zero3)
+    report = load_into(model, [path], plain_route(lambda key, names: key if key in names else None), zero3)
     raise_if_incomplete(report, f"train.init_from: {path}", _INIT_FIX)

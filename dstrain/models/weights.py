@@ -5,7 +5,9 @@ any stage). Files are memory-mapped (safetensors; torch .bin through torch.load(
 rank reads more than the tensor it is copying. At stage 3 every parameter is a partition: it is
 gathered whole for the moment of the copy (deepspeed.zero.GatheredParameters, modifier_rank=0), only
 rank 0 reads the file's values, and DeepSpeed hands each rank its piece when the gather ends. The
-peak host memory is then one tensor, not the model.
+peak host memory is then one tensor, not the model. Where transformers converts a checkpoint's layout
+on load (a mixture-of-experts layer's per-expert tensors fused into one parameter), the tensors of one
+converted parameter are read and converted together (dstrain.models.conversion): the peak is that parameter.
 
 Strict: every parameter must be loaded (tied weights count once) and every key in the files must
 name something in the model; otherwise a UserError names the keys.
@@ -23,15 +25,13 @@ import torch
 from torch import nn
 
 from dstrain.errors import Problem, UserError
+from dstrain.models.conversion import Group, StoredTensor
+from dstrain.tools.convert.formats import SAFETENSORS_DTYPES
 
+_SAFETENSORS_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
-@dataclass
-class StoredTensor:
-    """One tensor in a weight file: its key, its shape (read from the header) and how to read its values."""
-
-    key: str
-    shape: tuple[int, ...]
-    read: Callable[[], torch.Tensor]
+# route(stored tensors, the model's names) -> (groups named by the model's names, keys that match nothing)
+Router = Callable[[list[StoredTensor], set[str]], tuple[list[Group], list[str]]]
 
 
 @dataclass
@@ -49,12 +49,13 @@ def stored_tensors(files: list[Path], stack: ExitStack) -> Iterator[StoredTensor
             from safetensors import safe_open
             handle = stack.enter_context(safe_open(str(path), framework="pt"))
             for key in handle.keys():  # sorted by safetensors: identical on every rank
-                shape = tuple(handle.get_slice(key).get_shape())
-                yield StoredTensor(key, shape, lambda h=handle, k=key: h.get_tensor(k))
+                sliced = handle.get_slice(key)
+                yield StoredTensor(key, tuple(sliced.get_shape()), lambda h=handle, k=key: h.get_tensor(k),
+                                   _SAFETENSORS_DTYPES.get(sliced.get_dtype(), torch.float32))
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             for key in sorted(state):
-                yield StoredTensor(key, tuple(state[key].shape), lambda s=state, k=key: s[k])
+                yield StoredTensor(key, tuple(state[key].shape), lambda s=state, k=key: s[k], state[key].dtype)
 
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -62,13 +63,29 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(param, "ds_shape", param.shape))
 
 
-def load_into(model: nn.Module, files: list[Path], name_for_key: Callable[[str, set[str]], str | None],
-              zero3: bool, ignore_missing: list[str] = (), ignore_unexpected: list[str] = ()) -> LoadReport:
+def plain_route(name_for_key: Callable[[str, set[str]], str | None]) -> Router:
+    """A Router that loads each stored tensor as it is under `name_for_key(key, model_names)` (None: no match)."""
+    def route(stored: list[StoredTensor], names: set[str]) -> tuple[list[Group], list[str]]:
+        groups, unexpected = {}, []
+        for tensor in stored:
+            name = name_for_key(tensor.key, names)
+            if name is None or name in groups:
+                unexpected.append(tensor.key)
+            else:
+                groups[name] = Group(name, None, [(tensor.key, tensor)])
+        return list(groups.values()), unexpected
+    return route
+
+
+def load_into(model: nn.Module, files: list[Path], route: Router, zero3: bool,
+              ignore_missing: list[str] = (), ignore_unexpected: list[str] = ()) -> LoadReport:
     """Copy the tensors of FILES into MODEL's parameters and persistent buffers.
 
-    `name_for_key(key, model_names)` maps a file key to the model's state_dict name (None: no match).
-    With `zero3`, parameters are gathered one at a time and rank 0 copies; buffers (never partitioned)
-    are copied on every rank. All ranks must call this with the same files.
+    `route` sorts the stored tensors into Groups named by the model's state_dict names (plain_route: one
+    tensor each; dstrain.models.conversion.load_router: transformers' conversions, e.g. one MoE layer's
+    experts fused into one parameter). A group's output names and shapes are checked on meta tensors first;
+    then with `zero3` its parameters are gathered together and rank 0 reads, converts and copies; buffers
+    (never partitioned) are copied on every rank. All ranks must call this with the same files.
     """
     import torch.distributed as dist
 
@@ -79,28 +96,46 @@ def load_into(model: nn.Module, files: list[Path], name_for_key: Callable[[str, 
     names = set(params) | set(buffers)
     report = LoadReport()
     with ExitStack() as stack, torch.no_grad():
-        for stored in stored_tensors(files, stack):
-            name = name_for_key(stored.key, names)
-            if name is None:
-                report.unexpected.append(stored.key)
+        groups, report.unexpected = route(list(stored_tensors(files, stack)), names)
+        for group in groups:
+            try:
+                shapes = group.shapes(model)
+            except (RuntimeError, ValueError, IndexError) as err:  # the tensors do not fit together
+                report.mismatched.append(f"{group.target}: transformers' conversion of {len(group.keys)} tensors "
+                                         f"({group.keys[0]}, ...) fails: {str(err).splitlines()[0]}")
                 continue
-            target = params.get(name, buffers.get(name))
-            if full_shape(target) != stored.shape:
-                report.mismatched.append(f"{stored.key}: {list(stored.shape)} in the file, "
-                                         f"{list(full_shape(target))} in the model")
+            unknown = [name for name in shapes if name not in names]
+            if unknown:
+                report.unexpected.extend(unknown if group.transform is not None else group.keys)
                 continue
-            if zero3 and name in params and hasattr(target, "ds_id"):
+            wrong = [name for name, shape in shapes.items() if full_shape(params.get(name, buffers.get(name))) != shape]
+            if wrong:
+                report.mismatched.extend(f"{name if group.transform is not None else group.keys[0]}: "
+                                         f"{list(shapes[name])} in the file"
+                                         + (f" (from {len(group.keys)} tensors)" if group.transform is not None else "")
+                                         + f", {list(full_shape(params.get(name, buffers.get(name))))} in the model"
+                                         for name in wrong)
+                continue
+            partitioned = [params[name] for name in shapes if zero3 and name in params and hasattr(params[name], "ds_id")]
+            if partitioned:
                 import deepspeed
-                with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+                with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
                     if rank == 0:
-                        target.data.copy_(stored.read())
+                        _copy(group.values(model), params, buffers)
+                if any(name in buffers for name in shapes):  # buffers live on every rank
+                    _copy({n: v for n, v in group.values(model).items() if n in buffers}, params, buffers)
             else:
-                target.data.copy_(stored.read())
-            report.loaded.append(name)
+                _copy(group.values(model), params, buffers)
+            report.loaded.extend(shapes)
     report.missing = missing_names(model, set(report.loaded))
     report.missing = [n for n in report.missing if not any(re.search(p, n) for p in ignore_missing)]
     report.unexpected = [k for k in report.unexpected if not any(re.search(p, k) for p in ignore_unexpected)]
     return report
+
+
+def _copy(values: dict[str, torch.Tensor], params: dict, buffers: dict) -> None:
+    for name, value in values.items():
+        params.get(name, buffers.get(name)).data.copy_(value)
 
 
 def missing_names(model: nn.Module, loaded: set[str]) -> list[str]:

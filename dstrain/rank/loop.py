@@ -97,6 +97,9 @@ class LoopParts:
     """torch.profiler around profile.steps steps (None: this rank does not profile)."""
     preference: PreferenceMetrics | None = None
     """A preference objective's metrics since the last log line (None: train.objective lm)."""
+    router: Any = None
+    """A mixture-of-experts model's balancing loss and experts' load since the last log line
+    (dstrain.models.moe.RouterStats; None for other models)."""
 
     @classmethod
     def build(cls, engine, config: RunConfig, run_dir: Path, train_sampler, eval_sampler, device, metrics: MetricsLog,
@@ -111,8 +114,11 @@ class LoopParts:
             **client_state(step), "health": health.client_state(), "early_stop": evaluator.early.client_state()})
         from dstrain.rank.runtime import activation_offload
         preference = PreferenceMetrics(config.train.objective, device) if config.train.objective != "lm" else None
+        router = getattr(engine.module, "router_stats", None)
+        if router is not None:  # its sums meet the other ranks' on this device (NCCL on GPUs)
+            router.device = device
         return cls(train_sampler, device, metrics, guard, evaluator, checkpointer, activation_offload(config),
-                   StepProfiler.build(config, run_dir, dist.get_rank()), preference)
+                   StepProfiler.build(config, run_dir, dist.get_rank()), preference, router)
 
 
 @dataclass
@@ -196,6 +202,8 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
             window.restart()
             if parts.preference is not None:
                 parts.preference.reset()
+            if parts.router is not None:
+                parts.router.reset()
             if stopping:  # the checkpoint rolled back to is the one to resume from
                 break
             continue
@@ -205,6 +213,8 @@ def train(engine, config: RunConfig, parts: LoopParts, start_step: int, stop: St
             stats = engine_stats(engine)
             if parts.preference is not None:  # a collective too: rewards/*, logps/* over the window's pairs
                 stats.update(parts.preference.reduce())
+            if parts.router is not None:  # a collective too: lm_loss, aux_loss, expert_load over all ranks
+                stats.update(parts.router.reduce())
             metrics.log_step(state.step, loss_value, lr, time.perf_counter() - window.start, window.steps,
                              window.data_s, stats, window.real_tokens)
             window.restart()

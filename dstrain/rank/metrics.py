@@ -10,7 +10,8 @@ row, padding included), real_tokens_per_s (non-pad tokens only; absent for a use
 data_wait_ms, step_time_ms, memory_gib, gpu_mem_allocated_gib, gpu_mem_reserved_gib, host_rss_gib,
 loss_scale, skipped_steps, time; with a preference objective TRL's rewards/chosen, rewards/rejected,
 rewards/accuracies, rewards/margins, logps/chosen, logps/rejected and the objective's own: nll_loss,
-log_odds_ratio, log_odds_chosen, kl), evaluation rows (eval_ before the preference names) (step, eval_loss, eval_samples, eval_examples,
+log_odds_ratio, log_odds_chosen, kl; with a mixture-of-experts model expert_load, expert_tokens (a list) and,
+where its router's balancing loss counts, lm_loss and aux_loss: dstrain/models/moe.py), evaluation rows (eval_ before the preference names) (step, eval_loss, eval_samples, eval_examples,
 eval_split_samples, time: what the evaluation covered, each sample once) and event rows ({"event":
 kind, "step": ...}): "run_start" and "run_end" bracket each session of a run (dstrain/run_summary.py
 reads them), other kinds come from `log_event` (rollbacks, say). Keys a run cannot measure are absent:
@@ -186,14 +187,16 @@ class MetricsLog:
         values["host_rss_gib"] = host_rss_gib()
         self.last_loss = loss
         self._write({"step": step, **values, "time": time.time()})
-        self._to_trackers("log_metrics", step, values)
+        # lists (a MoE model's expert_tokens) are for metrics.jsonl: trackers draw numbers
+        self._to_trackers("log_metrics", step, {k: v for k, v in values.items() if not isinstance(v, list)})
         self._show(step, values, eta_s=(self.max_steps - step) * elapsed / steps)
 
     def _show(self, step: int, v: dict[str, float], eta_s: float) -> None:
         tokens = f"{v['tokens_per_s']:,.0f} tok/s"
         if "real_tokens_per_s" in v and v["real_tokens_per_s"] < v["tokens_per_s"]:
             tokens += f" ({v['real_tokens_per_s']:,.0f} real)"
-        fields = [f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
+        loss = f"loss {v['loss']:.4f}" + (f" (aux {v['aux_loss']:.3g})" if "aux_loss" in v else "")
+        fields = [loss, f"lr {v['lr']:.2e}",
                   f"gnorm {v['grad_norm']:.3g}" if "grad_norm" in v else "", tokens,
                   f"MFU {v['mfu']:.1%}" if "mfu" in v else f"{v['tflops_per_device']:.2f} TFLOP/s",
                   f"mem {v['memory_gib']:.2f} GiB", _preference_field(v)]

@@ -34,6 +34,10 @@ PANELS = (
      [("rewards/accuracies", "train"), ("eval_rewards/accuracies", "eval"), ("accuracy", "train"),
       ("eval_accuracy", "eval")], False),
     ("grad_norm", "Gradient norm (before clipping)", "global L2 norm", [("grad_norm", "")], True),
+    ("moe_loss", "Mixture of experts: LM and balancing loss", "loss", [("lm_loss", "LM"), ("aux_loss", "balancing")],
+     False),
+    ("expert_load", "Experts' load (busiest expert's tokens over the mean, worst layer)", "max / mean",
+     [("expert_load", "")], False),
     ("throughput", "Throughput", "tokens/s", [("tokens_per_s", "all positions"), ("real_tokens_per_s", "real (non-pad)")],
      False),
     ("memory", "Memory", "GiB", [("gpu_mem_allocated_gib", "GPU allocated"), ("gpu_mem_reserved_gib", "GPU reserved"),
@@ -181,6 +185,20 @@ def summary_table(runs: list[RunData]) -> Table:
     return table
 
 
+def expert_lines(runs: list[RunData]) -> list[str]:
+    """A mixture-of-experts run's last logged load: "a: experts' load 1.42 (max/mean) at step 40, tokens per
+    expert 120 98 ... (all layers)"; nothing for other runs."""
+    lines = []
+    for run in runs:
+        last = next((r for r in reversed(run.records) if "expert_load" in r and "event" not in r), None)
+        if last is not None:
+            tokens = " ".join(str(t) for t in last.get("expert_tokens", []))
+            balancing = f", balancing loss {last['aux_loss']:.4g}" if "aux_loss" in last else ""
+            lines.append(f"{run.name}: experts' load {last['expert_load']:.3g} (max/mean) at step {last['step']}"
+                         f"{balancing}" + (f", tokens per expert {tokens} (all layers)" if tokens else ""))
+    return lines
+
+
 def event_lines(runs: list[RunData]) -> list[str]:
     """Every event of every run but the session marks, in log order: "a: rollback at step 50: to_step=40"."""
     return [f"{run.name}: {rs.describe_event(e)}" for run in runs for e in rs.events(run.records)
@@ -228,6 +246,8 @@ def report(run_dirs: list[Path], output: Path | None, console: Console) -> Path:
     wide.print(summary_table(runs))
     for line in event_lines(runs):
         console.print(f"event {outside(line)}", soft_wrap=True)
+    for line in expert_lines(runs):
+        console.print(f"moe {outside(line)}", soft_wrap=True)
     for title, path in images:
         console.print(f"  {title}: {outside(path)}")
     console.print(f"report: {outside(output)}")

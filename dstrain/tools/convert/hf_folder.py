@@ -8,9 +8,13 @@ The checkpoint is first consolidated to one fp32 safetensors file by the ordinar
 their base weights (W + scaling * B @ A), tied copies are dropped as save_pretrained drops them, and
 the tensors are written block by block, cast to the asked dtype, into safetensors shards with
 model.safetensors.index.json (DoRA's magnitude applied; a modules_to_save module's trained copy
-written as the module's weights). config.json (its dtype set), generation_config.json and the tokenizer
-files come from the run directory's hf_source/, which `dstrain run` copied from the model at launch.
-The folder is renamed into place at the end, so a failure leaves nothing half-written.
+written as the module's weights). The names and layout are the source checkpoint's: where transformers
+converted its keys on load (a mixture-of-experts layer's per-expert tensors fused into 3-D parameters,
+renamed keys), the reverse of those conversions is applied, as save_pretrained does
+(dstrain.models.conversion; the source's keys are in hf_source/, recorded at launch). config.json (its
+dtype set), generation_config.json and the tokenizer files come from the run directory's hf_source/,
+which `dstrain run` copied from the model at launch. The folder is renamed into place at the end, so a
+failure leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Iterator
 import torch
 
 from dstrain.errors import UserError
-from dstrain.rundir import HF_LORA, HF_SOURCE
+from dstrain.rundir import HF_LORA, HF_SOURCE, HF_SOURCE_KEYS
 from dstrain.tools.convert.formats import BLOCK_ELEMENTS, DTYPES, SAFETENSORS_DTYPES, parse_size
 from dstrain.tools.convert.plan import Tensor, split_into_shards
 from dstrain.tools.convert.writer import safetensors_header
@@ -76,6 +80,9 @@ class _Out:
     tensor: Tensor
     base: str  # key in the consolidated file
     lora: dict | None = None  # {"a": key, "b": key, "scaling": float, "fan_in_fan_out": bool}
+    group: object = None  # a converted tensor: the dstrain.models.conversion.Group of model tensors it comes from
+    model: object = None  # with a group: the model (on the meta device) whose config the conversion may read
+    sources: dict | None = None  # with a group: the model tensors' _Outs by name
 
 
 def find_source(checkpoint_dir: Path, source: Path | None, option: str = "--format hf") -> Path:
@@ -184,7 +191,9 @@ def _plan(consolidated: Path, lora: dict[str, dict], dtype: torch.dtype, source_
             name = f"{module}.{leaf}"
         out_dtype = dtype if stored[key].is_floating_point else stored[key]  # integer buffers keep theirs
         outs.append(_Out(Tensor(name, name, shapes[key], out_dtype, True), key, entry))
-    notes = _match_model(outs, source_dir)
+    notes, model = _match_model(outs, source_dir)
+    if model is not None:
+        outs = _source_layout(outs, model, source_dir)
     return outs, notes
 
 
@@ -197,7 +206,7 @@ def _match_model(outs: list[_Out], source_dir: Path) -> list[str]:
         with torch.device("meta"):
             model = getattr(transformers, auto_class_name(config.to_dict())).from_config(config)
     except Exception as err:  # noqa: BLE001 - e.g. a remote-code model: export by name, unchecked
-        return [f"names not checked against the model ({type(err).__name__}: {str(err).splitlines()[0]})"]
+        return [f"names not checked against the model ({type(err).__name__}: {str(err).splitlines()[0]})"], None
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
@@ -212,15 +221,51 @@ def _match_model(outs: list[_Out], source_dir: Path) -> list[str]:
         raise UserError.single(f"the checkpoint's weights do not fit {source_dir / 'config.json'}: "
                                f"missing {missing[:8]}, unexpected {unexpected[:8]}", str(source_dir),
                                "export with the hf_source/ of the run that saved this checkpoint (--hf-source)")
-    return []
+    return [], model
+
+
+def _source_layout(outs: list[_Out], model, source_dir: Path) -> list[_Out]:
+    """OUTS under the source checkpoint's names and layout: transformers' load-time conversions reversed
+    (dstrain.models.conversion.export_groups), e.g. a fused experts.gate_up_proj [E, 2I, H] written as E
+    experts' gate_proj and up_proj [I, H]. A converted group's outputs are computed when the first is written."""
+    from dstrain.models.conversion import StoredTensor, export_groups
+    keys_file = source_dir / HF_SOURCE_KEYS
+    source_keys = json.loads(keys_file.read_text())["keys"] if keys_file.is_file() else None
+    by_name = {o.tensor.name: o for o in outs}
+    stored = [StoredTensor(o.tensor.name, o.tensor.shape, lambda: None, o.tensor.dtype) for o in outs]
+    converted = []
+    for group in export_groups(model, stored, source_keys):
+        if group.transform is None:
+            out = by_name[group.keys[0]]
+            out.tensor.name = out.tensor.source = group.target
+            converted.append(out)
+            continue
+        first = by_name[group.keys[0]]
+        for name, shape in group.shapes(model).items():
+            converted.append(_Out(Tensor(name, name, shape, first.tensor.dtype, True), first.base, group=group,
+                                  model=model, sources=by_name))
+    return converted
 
 
 def _aliases_of(name: str, aliases: dict[int, list[str]]) -> list[str]:
     return next(([n for n in names if n != name] for names in aliases.values() if name in names), [])
 
 
-def _value_blocks(handle, out: _Out) -> Iterator[torch.Tensor]:
-    """The output tensor's values, flat, in blocks of about BLOCK_ELEMENTS (merged ones whole)."""
+def _full_value(handle, out: _Out) -> torch.Tensor:
+    """A model tensor's whole value: its LoRA adapter merged where it has one."""
+    return merged_weight(handle, out.base, out.lora) if out.lora else handle.get_tensor(out.base)
+
+
+def _value_blocks(handle, out: _Out, converted: dict) -> Iterator[torch.Tensor]:
+    """The output tensor's values, flat, in blocks of about BLOCK_ELEMENTS (merged and converted ones whole).
+    CONVERTED keeps the outputs of the last converted group, which are written one after another."""
+    if out.group is not None:
+        if converted.get("group") is not out.group:
+            converted.clear()
+            converted.update(group=out.group, values=out.group.values(
+                out.model, read=lambda stored: _full_value(handle, out.sources[stored.key])))
+        yield converted["values"][out.tensor.name].reshape(-1)
+        return
     if out.lora:
         yield merged_weight(handle, out.base, out.lora).reshape(-1)
         return
@@ -254,13 +299,14 @@ def _write_shards(consolidated: Path, outs: list[_Out], shards: list[list[Tensor
     by_name = {o.tensor.name: o for o in outs}
     names = [WEIGHTS] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                                                 for i in range(1, len(shards) + 1)]
+    converted: dict = {}
     with ExitStack() as stack:
         handle = stack.enter_context(safe_open(str(consolidated), framework="pt"))
         for shard, file_name in zip(shards, names):
             with open(folder / file_name, "wb") as file:
                 file.write(safetensors_header(shard, {"format": "pt"}))
                 for tensor in shard:
-                    for block in _value_blocks(handle, by_name[tensor.name]):
+                    for block in _value_blocks(handle, by_name[tensor.name], converted):
                         file.write(block.to(tensor.dtype).contiguous().view(torch.uint8).numpy().tobytes())
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in (o.tensor for o in outs))},

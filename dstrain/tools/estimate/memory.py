@@ -216,6 +216,13 @@ class Workload:
     """speedups.offload_accumulate: whether those sums may live on the GPU (auto: where they leave room)."""
     offload_keep_weights: str | bool = "auto"
     """speedups.offload_keep_weights: whether ZeRO-3 keeps the offloaded weights gathered through a window."""
+    inactive_params: int = 0
+    """A mixture-of-experts model's routed experts' parameters a token does not run through: memory holds all
+    `params`, compute runs `active_params`."""
+
+    @property
+    def active_params(self) -> int:
+        return self.params - self.inactive_params
 
 
 @dataclass
@@ -826,7 +833,7 @@ def to_json(estimates: list[PresetEstimate], recommended: str | None, reason: st
         "recommended": recommended,
         "reason": reason,
         "hardware": asdict(hw),
-        "workload": asdict(work),
+        "workload": {**asdict(work), "active_params": work.active_params},
         "assumptions": {
             "gpu_headroom": GPU_HEADROOM,
             "gpu_runtime_overhead_bytes": GPU_RUNTIME_OVERHEAD_BYTES,
@@ -848,8 +855,9 @@ def render(estimates: list[PresetEstimate], recommended: str | None, reason: str
         return f"{n / GiB:.1f}"
 
     kind = "GPU" if hw.accelerator == "cuda" else "CPU rank"
+    active = f", {work.active_params / 1e9:.2f}B active per token (mixture of experts)" if work.inactive_params else ""
     console.print(
-        f"{work.params / 1e9:.2f}B params (largest layer {work.largest_layer_params / 1e6:.0f}M), "
+        f"{work.params / 1e9:.2f}B params{active} (largest layer {work.largest_layer_params / 1e6:.0f}M), "
         f"{work.precision}, micro_batch {work.micro_batch} x seq_len {work.seq_len}"
         f"{f' over {work.sequence_parallel} sequence-parallel ranks' if work.sequence_parallel > 1 else ''}, "
         f"activation checkpointing {'on' if work.activation_checkpointing else 'off'}"

@@ -40,7 +40,28 @@ def gpt_shape_for(params: float) -> tuple[int, int, int]:
     return n_layer, d_model, d_model // 128
 
 
-def make_plan(config_file: Path | None, sets: list[str], params: float | None, gpus: int | None, nodes: int,
+def parse_params(value: float | str | None) -> tuple[float | None, float | None, list[str]]:
+    """--params as (total parameters, active parameters per token, --set lines): "7e9" (a dense GPT of that
+    size), "30e9/3e9" (a mixture-of-experts shape: 30B parameters held, 3B run per token) or "hf:DIR" (the
+    model DIR's config.json describes, counted on the meta device: no weights needed)."""
+    if value is None:
+        return None, None, []
+    text = str(value).strip()
+    if text.startswith("hf:"):
+        return None, None, [f"model.name={text}"]
+    fix = "e.g. --params 7e9, --params 30e9/3e9 (a mixture of experts: total/active) or --params hf:DIR"
+    try:
+        total, _, active = text.partition("/")
+        total_n, active_n = float(total), float(active) if active else None
+    except ValueError:
+        raise UserError.single(f"not a parameter count: {text!r}", "--params", fix) from None
+    if total_n < 1 or (active_n is not None and not 1 <= active_n <= total_n):
+        raise UserError.single(f"must be a positive parameter count, the active part at most the total (got {text})",
+                               "--params", fix)
+    return total_n, active_n, []
+
+
+def make_plan(config_file: Path | None, sets: list[str], params: float | str | None, gpus: int | None, nodes: int,
               gpu_mem_gib: float | None, cpu_mem_gib: float | None, accelerator: str,
               strict: bool | None = None) -> Plan:
     from dstrain.tools.estimate import memory as E
@@ -61,10 +82,9 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         hw = replace(hw, cpu_mem_bytes=int(cpu_mem_gib * GiB))
     world = hw.gpus_per_node * hw.nodes
 
-    extra_sets = list(sets)
+    params, active, model_sets = parse_params(params)
+    extra_sets = model_sets + list(sets)
     if params is not None:
-        if params < 1:
-            raise UserError.single(f"must be a positive parameter count (got {params})", "--params", "e.g. --params 7e9")
         n_layer, d_model, n_head = gpt_shape_for(params)
         # A hypothetical model: one sequence per GPU unless --set says otherwise (--set comes later, so it wins).
         extra_sets = [f"model.n_layer={n_layer}", f"model.d_model={d_model}", f"model.n_head={n_head}",
@@ -84,6 +104,10 @@ def make_plan(config_file: Path | None, sets: list[str], params: float | None, g
         notes.append(f"--params {params:.3g}: a GPT of {base.model.n_layer} layers x width {base.model.d_model}, "
                      f"micro batch {base.train.micro_batch_size} x seq_len {base.data.seq_len}")
         shape = None
+        if active is not None and active < params:  # a mixture of experts: memory holds all, compute runs the active
+            shape = {"inactive_params": int(params - active)}
+            notes.append(f"a mixture of experts: memory for all {params:.3g} parameters, compute for the "
+                         f"{active:.3g} a token runs through (the activations are estimated as a dense GPT's)")
     else:
         from dstrain.models import count_model, model_builder, model_shape
         built: list = []
