@@ -13,7 +13,7 @@ safetensors, with benchmarks/sft.py's byte-level BPE tokenizer; the data is real
 sources (dstrain's corpus), one text file, tokenized by that tokenizer (data.source text), the same sequences in
 the same order for every row (same seed).
 
-Rows, each a fresh `dstrain run` (--preset stage2 by default, --stage 3 for stage3), seq 2048 x micro batch 4,
+Rows, each a fresh `dstrain run` (--preset stage2 by default, --stage 3 for stage3), seq 2048 x micro batch 2,
 lr 3e-4 with 20 warm-up steps then cosine, train.compile auto (each decoder layer compiled: on for both):
   bf16              train.precision bf16
   fp8-tensorwise    train.precision fp8, train.fp8_recipe tensorwise
@@ -26,7 +26,8 @@ per token (6 x parameters + attention).
 Reported per row: tokens/s and MFU over the steps after --warmup (their total tokens over their time), peak GPU
 memory (torch.cuda.max_memory_allocated), the time to the first step (compile included), every step's loss, and
 for each fp8 row its loss against bf16's: the mean relative difference over the steps and over the last 10. --out
-gets fp8-<gpu>.json (date, device, versions, settings, rows) and each row's log.
+(default $OUT, else benchmarks/results/<date>-<gpu>-fp8/) gets fp8-<gpu>.json (date, device, versions,
+settings, rows) and each row's log.
 """
 
 from __future__ import annotations
@@ -165,27 +166,31 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-                        help="where the JSON and the logs go (default $OUT)")
+                        help="where the JSON and the logs go (default $OUT, else benchmarks/results/DATE-GPU-fp8)")
     parser.add_argument("--work", type=Path, default=None, help="model and runs; reused (default /tmp/dstrain-fp8)")
     parser.add_argument("--rows", default=None, help="comma-separated row names or globs (default all three)")
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama on CPU ranks: the fp8 rows are refused")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 12; tiny 4)")
     parser.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (preset stage2/stage3)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps a row (default 60; tiny 4)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps a row (default 100; tiny 4)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 10; tiny 1)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 2048; tiny 128")
-    parser.add_argument("--micro-batch", type=int, default=None, help="default 4; tiny 2")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences a step (default 2: the 2.88B model, its optimizer and activations fit an H100's 80 GB)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--budget", type=float, default=570, help="seconds for the whole command (default 570)")
     args = parser.parse_args()
     tiny = args.tiny
     args.accelerator = "cpu" if tiny else "cuda"
-    for key, full, small in (("layers", 12, 4), ("steps", 60, 4), ("warmup", 10, 1), ("seq_len", 2048, 128),
-                             ("micro_batch", 4, 2)):
+    for key, full, small in (("layers", 12, 4), ("steps", 100, 4), ("warmup", 10, 1), ("seq_len", 2048, 128),
+                             ("micro_batch", 2, 2)):
         if getattr(args, key) is None:
             setattr(args, key, small if tiny else full)
+    import torch
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not tiny else "cpu"
+    short = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device)  # "NVIDIA H100 80GB HBM3" -> h100
+    gpu = short.group(1).lower() if short else "cpu"
     args.work = args.work or Path(tempfile.gettempdir()) / ("dstrain-fp8-tiny" if tiny else "dstrain-fp8")
-    args.out = args.out or args.work / "out"
+    args.out = args.out or REPO / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d', time.gmtime())}-{gpu}-fp8"
     for folder in (args.out, args.work):
         folder.mkdir(parents=True, exist_ok=True)
     log(f"dstrain from {DSTRAIN_ROOT}; work {args.work}; out {args.out}; torchao: {ensure_torchao()}")
@@ -199,10 +204,7 @@ def main() -> None:
         facts = make_model(model_dir, shape, args.layers)
     log(f"model: {facts['params'] / 1e9:.3f}B parameters, {facts['layers']} layers")
 
-    import torch
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not tiny else "cpu"
-    short = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device)
-    out_file = args.out / f"fp8-{short.group(1).lower() if short else 'cpu'}.json"
+    out_file = args.out / f"fp8-{gpu}.json"
     patterns = (args.rows or "*").split(",")
     planned = [(name, sets) for name, sets in ROWS if any(fnmatch.fnmatch(name, p) for p in patterns)]
     doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
