@@ -4,6 +4,7 @@
     python3 benchmarks/fp8.py --rows bf16,fp8-tensorwise --steps 300 --out $OUT    # the 300-step loss check, ~8 min
     python3 benchmarks/fp8.py --tiny --out /tmp/o                                  # CPU: builds the data, then the
                                                                                    # rows are refused (no FP8 on CPU)
+    python3 benchmarks/fp8.py plot DIR/fp8-h200.json docs/images/fp8-loss.png      # the loss curves (matplotlib)
 
 What it builds (in --work, reused when there): a model of Llama-3-8B's layer shape (hidden 4096, MLP 14336,
 32 heads, 8 key-value heads, rope theta 500,000) with --layers of its 32 layers (default 12) and a 32,000-token
@@ -163,7 +164,37 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(result: Path, image: Path) -> None:
+    """Each row's loss per step from a results JSON, as torchtitan plots its float8 curves (needs matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    doc = json.loads(result.read_text())
+    figure, (curves, ratio) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
+    base = next((r["losses"] for r in doc["rows"] if r["name"] == "bf16" and "losses" in r), None)
+    for row in doc["rows"]:
+        if "losses" not in row:
+            continue
+        steps = range(1, len(row["losses"]) + 1)
+        line, = curves.plot(steps, row["losses"], label=row["name"], linewidth=1)
+        if base and row["losses"] is not base:
+            ratio.plot(steps, [100 * (a - b) / b for a, b in zip(row["losses"], base)], color=line.get_color(),
+                       linewidth=1)
+    curves.set_ylabel("training loss")
+    curves.set_title(f"{doc['model']['params'] / 1e9:.2f}B Llama-3-8B-shaped, {doc['device']}, {doc['date']}")
+    curves.legend()
+    ratio.set_ylabel("vs bf16 (%)")
+    ratio.set_xlabel("step")
+    ratio.axhline(0, color="gray", linewidth=0.5)
+    figure.tight_layout()
+    figure.savefig(image, dpi=120)
+    print(f"written to {image}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["plot"]:  # python3 benchmarks/fp8.py plot RESULT.json OUT.png
+        plot(Path(sys.argv[2]), Path(sys.argv[3]))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                         help="where the JSON and the logs go (default $OUT, else benchmarks/results/DATE-GPU-fp8)")
