@@ -9,8 +9,8 @@ module hooks before Float8Linear's forward reads it, as for any nn.Linear), and 
 dict keys do not change, which load into the unconverted bf16 model.
 
 Which layers convert (`fp8_layers`): the linear layers inside the decoder layers, except those of the first and
-the last decoder layer, which stay bf16 together with the LM head and any linear outside the decoder layers,
-as torchtitan and Transformer Engine's guidance keep the model's ends in higher precision; a layer with a
+the last decoder layer, which stay bf16 together with the LM head and any linear outside the decoder layers
+(as Megatron-Core's first_last_layers_bf16 and torchtitan's float8 examples keep a model's ends); a layer with a
 dimension not divisible by 16 (what torch._scaled_mm needs) and a frozen one stay bf16 too.
 """
 
