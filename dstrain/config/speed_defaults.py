@@ -158,8 +158,8 @@ def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, not
     hf = config.model.name.startswith("hf:")
     stage = zero.get("stage", 0)
     lora = config.model.lora
-    # torchao's float8 casts (scale, cast, transpose around each matmul) are fused only when compiled; eager
-    # they cost more than FP8 saves (torchao's README), so FP8 compiles wherever the model can be.
+    # torchao's float8 casts (scale, cast, transpose around each matmul) are fused only when compiled (torchao's
+    # float8 README asks for torch.compile); eager they eat FP8's gain, so FP8 compiles wherever the model can be.
     fp8 = config.train.precision == "fp8"
     if accelerator != "cuda":
         why_off = f"not on {accelerator}"
