@@ -93,6 +93,8 @@ def make_model(directory: Path, shape: dict, layers: int) -> dict:
     model.save_pretrained(directory, max_shard_size="2GB")
     facts = {"params": sum(p.numel() for p in model.parameters()), "shape": shape, "layers": layers,
              "chars_per_token": chars_per_token, "corpus_chars": len(text)}
+    del model
+    torch.cuda.empty_cache()  # this process's allocator must not keep the weights' memory from the rows
     (directory / "bench_facts.json").write_text(json.dumps(facts, indent=2))
     return facts
 
