@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from dstrain.config import autos, deepspeed_checks
 from dstrain.config import deepspeed_keys as dsk
 from dstrain.config.deepspeed_keys import AUTO
+from dstrain.config.fp8 import check_fp8, weight_precision
 from dstrain.config.long_context import check_checkpoint_offload, resolve_tiled_mlp
 from dstrain.config.layers import (DEFAULT, PRESET_RANK, Merged, Source, collect_layers, flatten, get_path, merge,
                                    set_path)
@@ -130,6 +131,7 @@ def resolve_merged(merged: Merged, world_size: int, accelerator: str, strict: bo
             "auto: each rank decides from its GPU's memory: off where dstrain's estimate of the run without it "
             "is at most half of it, on otherwise (always on for a model other than the built-in GPT)")
     check_deepcompile(config, rendered, merged, accelerator, problems)
+    check_fp8(config, rendered, merged, accelerator, problems)
     compile_warnings(config, rendered, merged, warnings)
     _inapplicable_model_keys(config, merged, warnings)
     check_objective(config, merged, problems, warnings, notes)
@@ -287,6 +289,8 @@ def _resolve_precision(config: RunConfig, merged: Merged, accelerator: str, prob
         ds_src = merged.source_of(f"deepspeed.{ds_choice}.enabled")
         if train_src.rank > ds_src.rank and choice != "auto":
             pass  # train.precision set higher: it wins
+        elif choice == "fp8" and ds_choice == "bf16":
+            pass  # fp8 trains bf16 weights: DeepSpeed's bf16 section is its own
         elif train_src.rank == ds_src.rank and choice not in ("auto", ds_choice):
             problems.append(Problem(f"train.precision={choice} but deepspeed.{ds_choice}.enabled is true",
                                     ds_src.label, "set only one of them"))
@@ -407,11 +411,11 @@ def _render_precision(ds: dict[str, Any], train, notes: dict[str, str]) -> None:
     """fp16/bf16 sections (or torch autocast) from train.precision and train.mixed_precision."""
     for name in ("fp16", "bf16"):
         section = ds.get(name) if isinstance(ds.get(name), dict) else {}
-        section["enabled"] = train.precision == name
+        section["enabled"] = weight_precision(train.precision) == name
         ds[name] = section
     if train.precision != "fp16":
         ds.pop("fp16") if ds["fp16"] == {"enabled": False} else None
-    if train.precision != "bf16" and ds.get("bf16") == {"enabled": False}:
+    if weight_precision(train.precision) != "bf16" and ds.get("bf16") == {"enabled": False}:
         ds.pop("bf16")
     if train.precision in ("bf16", "fp16") and train.mixed_precision == "autocast":
         ds[train.precision]["enabled"] = False  # fp32 weights; torch.autocast does the low-precision math
@@ -420,7 +424,7 @@ def _render_precision(ds: dict[str, Any], train, notes: dict[str, str]) -> None:
         ds["torch_autocast"] = {**(ds.get("torch_autocast") or {}), "enabled": True,
                                 "dtype": "bfloat16" if train.precision == "bf16" else "float16"}
         notes["deepspeed.torch_autocast"] = "follows train.mixed_precision=autocast"
-    elif train.precision == "bf16" and "check_grad_overflow" not in ds["bf16"]:
+    elif weight_precision(train.precision) == "bf16" and "check_grad_overflow" not in ds["bf16"]:
         # DeepSpeed's default checks every gradient for inf/NaN before a bf16 ZeRO-1/2 step: about
         # 13 host-launched kernels per parameter and a host sync, which made a 406M GPT's step
         # host-bound on an H100 (docs/benchmarks.md). bf16 has fp32's range, so overflow is not the

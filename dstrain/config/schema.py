@@ -219,8 +219,16 @@ class TrainConfig(Section):
     global_batch_size: PositiveInt | None = None
     """Sequences per optimizer step over all ranks (DeepSpeed's train_batch_size);
     left unset it is micro_batch_size x grad_accum_steps x world size (/ train.sequence_parallel)."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Training precision: "auto" is bf16 on a GPU that supports it, fp16 on older GPUs, fp32 on CPU."""
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
+    """Training precision: "auto" is bf16 on a GPU that supports it, fp16 on older GPUs, fp32 on CPU.
+    "fp8": bf16 training (DeepSpeed's bf16 section: bf16 weights, fp32 master weights and optimizer states,
+    checkpoints as in bf16) whose nn.Linear matmuls run in FP8 through torchao's float8 training
+    (train.fp8_recipe), the first and last decoder layers and the LM head kept in bf16; GPUs of compute
+    capability 8.9 or more (Ada, Hopper, Blackwell), the built-in GPT and "hf:" models, full fine-tuning;
+    needs `pip install 'dstrain[fp8]'`. See docs/fp8.md."""
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """torchao's float8 recipe for train.precision=fp8: "tensorwise" (one scale per tensor; the faster) or
+    "rowwise" (one scale per row; more accurate, slower). Ignored for other precisions."""
     mixed_precision: Literal["deepspeed", "autocast"] = "deepspeed"
     """How bf16/fp16 training runs: "deepspeed" (DeepSpeed's bf16/fp16 optimizer: low-precision weights,
     an fp32 master copy inside the optimizer) or "autocast" (fp32 weights, torch.autocast compute:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dstrain.config.fp8 import weight_precision
 from dstrain.config.layers import PRESET_RANK, Merged
 from dstrain.config.schema import LOSS_CHUNKING_MIN_SEQ_LEN, RunConfig
 from dstrain.errors import Problem
@@ -122,7 +123,7 @@ def _render_small_gpt_persistence(zero: Any, config: RunConfig, merged: Merged, 
 
 def weight_bytes(config: RunConfig) -> int:
     """Bytes a weight takes on the GPU: fp32 under autocast or fp32 training, else 16-bit."""
-    return 4 if config.train.precision == "fp32" or config.train.mixed_precision == "autocast" else 2
+    return 4 if weight_precision(config.train.precision) == "fp32" or config.train.mixed_precision == "autocast" else 2
 
 
 def blocks_gib(config: RunConfig) -> float:
@@ -157,26 +158,29 @@ def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, not
     hf = config.model.name.startswith("hf:")
     stage = zero.get("stage", 0)
     lora = config.model.lora
+    # torchao's float8 casts (scale, cast, transpose around each matmul) are fused only when compiled (torchao's
+    # float8 README asks for torch.compile); eager they eat FP8's gain, so FP8 compiles wherever the model can be.
+    fp8 = config.train.precision == "fp8"
     if accelerator != "cuda":
         why_off = f"not on {accelerator}"
     elif config.train.objective != "lm":
         why_off = f"train.objective {config.train.objective} is not supported compiled (it runs the model twice)"
     elif config.model.name != "gpt" and not hf:
         why_off = "your own model: set true to compile it"
-    elif config.train.precision != "bf16":
+    elif weight_precision(config.train.precision) != "bf16":
         why_off = f"{config.train.precision} was not measured"
     elif hf and lora is not None and lora.quantize is not None:
         why_off = f"a {lora.quantize}-quantized base was not tried compiled"
     elif hf and lora is not None and stage == 3:
         why_off = ("LoRA at ZeRO stage 3: the frozen base's decoder layers are not ZeRO-3 leaf modules, so "
                    "DeepSpeed's per-layer hooks would fall inside each compiled block")
-    elif stage == 3 and not hf:
+    elif stage == 3 and not hf and not fp8:
         why_off = "ZeRO stage 3 measured no faster compiled without DeepCompile"
     elif offloaded:
         why_off = f"{offloaded[0]} was not measured"
     elif config.train.activation_checkpointing:
         why_off = "activation checkpointing was not measured"
-    elif stage == 3:
+    elif stage == 3 and hf:
         # Decided once the model is checked (launcher/preflight.py: _keep_blocks_whole): on where each decoder
         # layer stays whole, off where DeepSpeed shards it.
         why_off = HF_STAGE3_COMPILE_PENDING
@@ -186,10 +190,13 @@ def resolve_compile(config: RunConfig, ds: dict[str, Any], accelerator: str, not
     if why_off is not None:
         notes["train.compile"] = f"auto: off ({why_off})"
     elif hf:  # regional: rank/runtime.py compile_hf_blocks; DeepSpeed's ZeRO-3 hooks stay outside each block
-        notes["train.compile"] = (f"auto: on (an hf: model, bf16, CUDA, ZeRO {stage}: each decoder layer compiled "
+        notes["train.compile"] = (f"auto: on (an hf: model, {config.train.precision}, CUDA, ZeRO {stage}: each decoder layer compiled "
                                   "on its own, the rest eager)")
+    elif stage == 3:  # the built-in GPT in FP8: each block (a ZeRO-3 leaf module) compiled on its own
+        notes["train.compile"] = ("auto: on (the built-in GPT in fp8 at ZeRO stage 3: each block compiled on its own, "
+                                  "so that torchao's float8 casts are fused)")
     else:
-        notes["train.compile"] = "auto: on (the built-in GPT, bf16, CUDA, ZeRO 0-2)"
+        notes["train.compile"] = f"auto: on (the built-in GPT, {config.train.precision}, CUDA, ZeRO 0-2)"
 
 
 def check_deepcompile(config: RunConfig, ds: dict[str, Any], merged: Merged, accelerator: str,
@@ -225,7 +232,7 @@ def compile_warnings(config: RunConfig, ds: dict[str, Any], merged: Merged, warn
         warnings.append(f"{merged.where('train.compile')}: with LoRA at ZeRO stage 3 the model stays eager: its "
                         "decoder layers are not ZeRO-3 leaf modules (the base is frozen), and DeepSpeed's "
                         "per-layer hooks would fall inside each compiled block; consider train.compile=false")
-    elif config.train.compile and stage == 3 and not hf and not deepcompile_on(ds):
+    elif config.train.compile and stage == 3 and not hf and not deepcompile_on(ds) and config.train.precision != "fp8":
         warnings.append(f"{merged.where('train.compile')}: with ZeRO stage 3 compiling without DeepCompile "
                         "measured no faster than eager: the built-in GPT's blocks compiled one by one (ZeRO-3 "
                         "leaf modules, DeepSpeed's hooks outside the graph) 0.91-0.94x on a 406M GPT and 1.00x "

@@ -65,6 +65,9 @@ def check_runnable(resolved: ResolvedConfig) -> None:
                                     _named(resolved, *(f"deepspeed.zero_optimization.{key}" for key in quantized)),
                                     "remove " + ", ".join(quantized) + " (or set false) for CPU ranks, "
                                     "or run on GPUs (--accelerator cuda)"))
+    if resolved.precision == "fp8" and resolved.accelerator == "cuda":  # CPU ranks: refused in resolution
+        from dstrain.models.fp8 import runtime_problems
+        problems += runtime_problems(_named(resolved, "train.precision"))
     problems += _optimizer_problems(resolved)
     problems += _checkpoint_offload_problems(resolved)
     if resolved.config.model.lora is not None:

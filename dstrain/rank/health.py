@@ -142,7 +142,7 @@ def uses_own_norm_check(config) -> bool:
     if config.train.precision == "fp16":
         return True
     bf16 = config.deepspeed.get("bf16") or {}
-    return config.train.precision == "bf16" and bool(bf16.get("check_grad_overflow"))
+    return config.train.precision in ("bf16", "fp8") and bool(bf16.get("check_grad_overflow"))  # fp8: bf16 weights
 
 
 # ---------------------------------------------------------------- the guard (all ranks)

@@ -241,6 +241,11 @@ def _build_engine(config, ds_config: dict, device, rank: int):
 
     policy_rng = rng_state()  # a preference reference copy starts from the same random state
     model = build_model(config, ds_config, device)
+    if config.train.precision == "fp8":  # before DeepSpeed hooks the modules and before compiling
+        from dstrain.models.fp8 import convert_to_fp8
+        converted = convert_to_fp8(model, config.train.fp8_recipe)
+        if rank == 0:
+            print(converted, flush=True)
     tiled = apply_tiled_mlp(model, config)
     if tiled and rank == 0:
         print(tiled, flush=True)

@@ -118,6 +118,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+from dstrain.config.fp8 import weight_precision
 from dstrain.errors import Problem, UserError
 
 GiB = 1024**3
@@ -463,7 +464,8 @@ def workload(cfg, ds_config: dict, total: int, largest: int, activation_checkpoi
                     micro_batch=cfg.train.micro_batch_size, activation_checkpointing=activation_checkpointing,
                     # train.activation_checkpointing_offload puts an hf: model's block inputs on the host too
                     cpu_checkpointing=bool(ac.get("cpu_checkpointing") or cfg.train.activation_checkpointing_offload),
-                    precision=cfg.train.precision, sequence_parallel=cfg.train.sequence_parallel,
+                    # fp8 trains bf16 weights and keeps bf16 activations (torchao saves the bf16 inputs)
+                    precision=weight_precision(cfg.train.precision), sequence_parallel=cfg.train.sequence_parallel,
                     tiled_mlp=cfg.train.tiled_mlp is True, tiled_mlp_shards=cfg.train.tiled_mlp_shards,
                     grad_accum_steps=cfg.train.grad_accum_steps, offload_accumulate=cfg.speedups.offload_accumulate,
                     offload_keep_weights=cfg.speedups.offload_keep_weights,

@@ -1,0 +1,277 @@
+"""GPU benchmark: train.precision fp8 (torchao's float8 training) against bf16 on one GPU (issue 55, item 1).
+
+    source .pbench/env.sh && python3 benchmarks/fp8.py --out $OUT                  # one H100/H200: ~6 minutes
+    python3 benchmarks/fp8.py --rows bf16,fp8-tensorwise --steps 300 --out $OUT    # the 300-step loss check, ~8 min
+    python3 benchmarks/fp8.py --tiny --out /tmp/o                                  # CPU: builds the data, then the
+                                                                                   # rows are refused (no FP8 on CPU)
+    python3 benchmarks/fp8.py plot DIR/fp8-h200.json docs/images/fp8-loss.png      # the loss curves (matplotlib)
+
+What it builds (in --work, reused when there): a model of Llama-3-8B's layer shape (hidden 4096, MLP 14336,
+32 heads, 8 key-value heads, rope theta 500,000) with --layers of its 32 layers (default 12) and a 32,000-token
+vocabulary instead of its 128,256, so that the model and its optimizer fit one H100 at ZeRO-2 (2.88B parameters,
+about 46 GiB of bf16 weights, fp32 masters and Adam states); random weights saved by save_pretrained in bf16
+safetensors, with benchmarks/sft.py's byte-level BPE tokenizer; the data is real text: the standard library's
+sources (dstrain's corpus), one text file, tokenized by that tokenizer (data.source text), the same sequences in
+the same order for every row (same seed).
+
+Rows, each a fresh `dstrain run` (--preset stage2 by default, --stage 3 for stage3), seq 2048 x micro batch 2,
+lr 3e-4 with 20 warm-up steps then cosine, train.compile auto (each decoder layer compiled: on for both):
+  bf16              train.precision bf16
+  fp8-tensorwise    train.precision fp8, train.fp8_recipe tensorwise
+  fp8-rowwise       train.precision fp8, train.fp8_recipe rowwise
+fp8 converts the linear layers of decoder layers 2 .. N-1 (the first and last layer and the LM head stay bf16):
+with 12 layers 10/12 of the layers' matmuls, about 78% of the step's matmul FLOPs (the head's 4096 x 32,000
+included). MFU is against the GPU's dense bf16 peak (as torchtitan reports its float8 rows), from dstrain's FLOPs
+per token (6 x parameters + attention).
+
+Reported per row: tokens/s and MFU over the steps after --warmup (their total tokens over their time), peak GPU
+memory (torch.cuda.max_memory_allocated), the time to the first step (compile included), every step's loss, and
+for each fp8 row its loss against bf16's: the mean relative difference over the steps and over the last 10. --out
+(default $OUT, else benchmarks/results/<date>-<gpu>-fp8/) gets fp8-<gpu>.json (date, device, versions,
+settings, rows) and each row's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import sft  # noqa: E402 - the SFT benchmark's helpers: tokenizer, process runner, versions
+from sft import DSTRAIN_ROOT, REPO, log, run_logged  # noqa: E402
+
+LLAMA3_8B_LAYER = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, vocab_size=32000, max_position_embeddings=8192, tie_word_embeddings=False,
+                       rms_norm_eps=1e-5, rope_theta=500000.0)
+LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
+ROWS = (("bf16", ["train.precision=bf16"]),
+        ("fp8-tensorwise", ["train.precision=fp8", "train.fp8_recipe=tensorwise"]),
+        ("fp8-rowwise", ["train.precision=fp8", "train.fp8_recipe=rowwise"]))
+
+
+def ensure_torchao() -> str:
+    """torchao from the carried wheel (.whl/torchao-*.whl) into /tmp/site when it is not importable."""
+    import importlib.util
+    if importlib.util.find_spec("torchao") is not None:
+        return "importable"
+    wheels = sorted((REPO / ".whl").glob("torchao-*.whl"))
+    if not wheels:
+        return "not installed and no .whl/torchao-*.whl: the fp8 rows will be refused"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--target", "/tmp/site", str(wheels[-1])], capture_output=True, text=True)
+    if "/tmp/site" not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in ("/tmp/site", os.environ.get("PYTHONPATH")) if p)
+    return f"installed {wheels[-1].name}" if done.returncode == 0 else f"FAILED: {done.stderr[-300:]}"
+
+
+def make_model(directory: Path, shape: dict, layers: int) -> dict:
+    """Model folder (random weights, bf16 safetensors) + tokenizer + the corpus as one text file."""
+    import torch
+    from make_instruction_data import corpus_text
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    directory.mkdir(parents=True, exist_ok=True)
+    text = corpus_text()
+    (directory / "corpus.txt").write_text(text)
+    chars_per_token = sft.build_tokenizer(directory, shape["vocab_size"], text[:6_000_000 if layers > 4 else 1_000_000])
+    torch.manual_seed(0)
+    config = LlamaConfig(**shape, num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # fast random init of billions of weights
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory, max_shard_size="2GB")
+    facts = {"params": sum(p.numel() for p in model.parameters()), "shape": shape, "layers": layers,
+             "chars_per_token": chars_per_token, "corpus_chars": len(text)}
+    del model
+    torch.cuda.empty_cache()  # this process's allocator must not keep the weights' memory from the rows
+    (directory / "bench_facts.json").write_text(json.dumps(facts, indent=2))
+    return facts
+
+
+def dstrain_row(name: str, sets: list[str], ctx: dict, args) -> dict:
+    row = {"name": name, "stage": args.stage, "sets": sets}
+    run_dir = args.work / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    all_sets = [f"model.name=hf:{ctx['model']}", "data.source=text", f"data.paths=[{ctx['model'] / 'corpus.txt'}]",
+                f"data.seq_len={args.seq_len}", f"data.cache_dir={args.work / 'dstrain-cache'}",
+                f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}", "train.log_every=1",
+                "train.save_checkpoints=false", "train.eval_every=1000000", "train.eval_batches=1",
+                f"train.warmup_steps={min(20, args.steps // 5)}", "train.lr=3e-4", f"train.seed={args.seed}", *sets]
+    command = [sys.executable, "-m", "dstrain.cli", "run", "--preset", f"stage{args.stage}", "--gpus", "1",
+               "--accelerator", args.accelerator, "--run-dir", str(run_dir)]
+    for item in all_sets:
+        command += ["--set", item]
+    started = time.time()
+    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit, cwd=DSTRAIN_ROOT)
+    row.update({"wall_s": round(wall, 1), "command": " ".join(command)})
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    steps = [r for r in records if "loss" in r and "step_time_ms" in r]
+    if code or not steps:
+        return {**row, "error": f"exit {code}: {tail}"}
+    timed = [r for r in steps if r["step"] > args.warmup] or steps[-1:]
+    seconds = sum(r["step_time_ms"] for r in timed) / 1000
+    tokens = sum(r["tokens_per_s"] * r["step_time_ms"] / 1000 for r in timed)
+    log_text = (args.out / "logs" / f"{name}.log").read_text(errors="replace")
+    converted = re.search(r"^fp8: .*$", log_text, re.M)
+    row.update({"tokens_per_s": tokens / seconds,
+                "mfu": statistics.fmean(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
+                "step_s_median": statistics.median(r["step_time_ms"] for r in timed) / 1000,
+                "timed_steps": len(timed), "peak_gpu_gib": max(r.get("memory_gib", 0.0) for r in steps),
+                "first_step_s": steps[0]["time"] - started if "time" in steps[0] else None,
+                "losses": [round(r["loss"], 5) for r in steps], "converted": converted.group(0) if converted else None,
+                "compiled": next((line for line in log_text.splitlines() if line.startswith("compile:")), None)})
+    return row
+
+
+def compare_losses(rows: list[dict]) -> None:
+    """Each fp8 row's loss against bf16's, step by step: the mean relative difference, all steps and the last 10."""
+    base = next((r for r in rows if r["name"] == "bf16" and "losses" in r), None)
+    for row in rows:
+        if base is None or row is base or "losses" not in row:
+            continue
+        pairs = list(zip(row["losses"], base["losses"]))
+        rel = [abs(a - b) / b for a, b in pairs]
+        row["loss_vs_bf16"] = {"mean_rel_diff": statistics.fmean(rel), "last10_mean_rel_diff": statistics.fmean(rel[-10:]),
+                               "last10_mean": statistics.fmean(a for a, _ in pairs[-10:]),
+                               "bf16_last10_mean": statistics.fmean(b for _, b in pairs[-10:])}
+        row["speed_vs_bf16"] = row["tokens_per_s"] / base["tokens_per_s"] if base.get("tokens_per_s") else None
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'row':16} {'tok/s':>9} {'vs bf16':>8} {'MFU':>6} {'peak GiB':>8} {'1st step s':>10} "
+             f"{'loss first>last':>16} {'loss diff (last 10)':>20}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['name']:16} failed: {r['error'].strip().splitlines()[-1][-110:] if r['error'].strip() else ''}")
+            continue
+        speed = f"{r['speed_vs_bf16']:.2f}x" if r.get("speed_vs_bf16") else ""
+        diff = r.get("loss_vs_bf16")
+        diff_text = f"{diff['mean_rel_diff']:.2%} ({diff['last10_mean_rel_diff']:.2%})" if diff else ""
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        first = f"{r['first_step_s']:.0f}" if r.get("first_step_s") else "-"
+        lines.append(f"{r['name']:16} {r['tokens_per_s']:>9,.0f} {speed:>8} {mfu:>6} {r['peak_gpu_gib']:>8.1f} "
+                     f"{first:>10} {r['losses'][0]:>7.3f}>{r['losses'][-1]:<8.3f} {diff_text:>20}")
+    return "\n".join(lines)
+
+
+def plot(result: Path, image: Path) -> None:
+    """Each row's loss per step from a results JSON, as torchtitan plots its float8 curves (needs matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    doc = json.loads(result.read_text())
+    figure, (curves, ratio) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
+    base = next((r["losses"] for r in doc["rows"] if r["name"] == "bf16" and "losses" in r), None)
+    for row in doc["rows"]:
+        if "losses" not in row:
+            continue
+        steps = range(1, len(row["losses"]) + 1)
+        line, = curves.plot(steps, row["losses"], label=row["name"], linewidth=1)
+        if base and row["losses"] is not base:
+            ratio.plot(steps, [100 * (a - b) / b for a, b in zip(row["losses"], base)], color=line.get_color(),
+                       linewidth=1)
+    curves.set_ylabel("training loss")
+    curves.set_title(f"{doc['model']['params'] / 1e9:.2f}B Llama-3-8B-shaped, {doc['device']}, {doc['date']}")
+    curves.legend()
+    ratio.set_ylabel("vs bf16 (%)")
+    ratio.set_xlabel("step")
+    ratio.axhline(0, color="gray", linewidth=0.5)
+    figure.tight_layout()
+    figure.savefig(image, dpi=120)
+    print(f"written to {image}")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["plot"]:  # python3 benchmarks/fp8.py plot RESULT.json OUT.png
+        plot(Path(sys.argv[2]), Path(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                        help="where the JSON and the logs go (default $OUT, else benchmarks/results/DATE-GPU-fp8)")
+    parser.add_argument("--work", type=Path, default=None, help="model and runs; reused (default /tmp/dstrain-fp8)")
+    parser.add_argument("--rows", default=None, help="comma-separated row names or globs (default all three)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny Llama on CPU ranks: the fp8 rows are refused")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 12; tiny 4)")
+    parser.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (preset stage2/stage3)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps a row (default 100; tiny 4)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 10; tiny 1)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 2048; tiny 128")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences a step (default 2: the 2.88B model, its optimizer and activations fit an H100's 80 GB)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--budget", type=float, default=570, help="seconds for the whole command (default 570)")
+    args = parser.parse_args()
+    tiny = args.tiny
+    args.accelerator = "cpu" if tiny else "cuda"
+    for key, full, small in (("layers", 12, 4), ("steps", 100, 4), ("warmup", 10, 1), ("seq_len", 2048, 128),
+                             ("micro_batch", 2, 2)):
+        if getattr(args, key) is None:
+            setattr(args, key, small if tiny else full)
+    import torch
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not tiny else "cpu"
+    short = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device)  # "NVIDIA H100 80GB HBM3" -> h100
+    gpu = short.group(1).lower() if short else "cpu"
+    args.work = args.work or Path(tempfile.gettempdir()) / ("dstrain-fp8-tiny" if tiny else "dstrain-fp8")
+    args.out = args.out or REPO / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d', time.gmtime())}-{gpu}-fp8"
+    for folder in (args.out, args.work):
+        folder.mkdir(parents=True, exist_ok=True)
+    log(f"dstrain from {DSTRAIN_ROOT}; work {args.work}; out {args.out}; torchao: {ensure_torchao()}")
+
+    shape = LLAMA_TINY if tiny else LLAMA3_8B_LAYER
+    model_dir = args.work / "model"
+    facts_file = model_dir / "bench_facts.json"
+    facts = json.loads(facts_file.read_text()) if facts_file.exists() else None
+    if facts is None or facts["shape"] != shape or facts["layers"] != args.layers:
+        log("building the tokenizer and the model (random weights, bf16 safetensors)")
+        facts = make_model(model_dir, shape, args.layers)
+    log(f"model: {facts['params'] / 1e9:.3f}B parameters, {facts['layers']} layers")
+
+    out_file = args.out / f"fp8-{gpu}.json"
+    patterns = (args.rows or "*").split(",")
+    planned = [(name, sets) for name, sets in ROWS if any(fnmatch.fnmatch(name, p) for p in patterns)]
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
+           "versions": {**json.loads(subprocess.run([sys.executable, str(HERE / "sft.py"), "versions"],
+                                                    capture_output=True, text=True).stdout.strip().splitlines()[-1]),
+                        "torchao": _version("torchao")},
+           "model": facts, "settings": {k: str(v) for k, v in vars(args).items()}, "rows": []}
+    log(f"versions: {json.dumps(doc['versions'])}")
+    for name, sets in planned:
+        left = args.budget - (time.time() - sft.T0)
+        if left < 60:
+            doc["rows"].append({"name": name, "error": f"skipped: the {args.budget:.0f}s budget (--budget) was spent"})
+            continue
+        args.row_limit = left
+        log(f"row {name}: start (at most {left:.0f}s)")
+        try:
+            row = dstrain_row(name, sets, {"model": model_dir}, args)
+        except Exception as err:  # noqa: BLE001 - one broken row must not lose the others
+            row = {"name": name, "error": f"{type(err).__name__}: {err}"}
+        doc["rows"].append(row)
+        compare_losses(doc["rows"])
+        out_file.write_text(json.dumps(doc, indent=2) + "\n")  # after every row: a cut-off call keeps the rest
+        log(f"row {name}: " + (f"FAILED: {row['error'][-600:]}" if "error" in row else
+                               f"{row['tokens_per_s']:,.0f} tok/s, peak {row['peak_gpu_gib']:.1f} GiB, "
+                               f"loss {row['losses'][0]} -> {row['losses'][-1]}, {row['wall_s']}s; {row['converted']}"))
+    print("\n" + table(doc["rows"]), flush=True)
+    log(f"written to {out_file}")
+
+
+def _version(package: str) -> str | None:
+    done = subprocess.run([sys.executable, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or None
+
+
+if __name__ == "__main__":
+    main()
