@@ -26,7 +26,20 @@ from torch import nn
 
 from dstrain.errors import Problem, UserError
 from dstrain.models.conversion import Group, StoredTensor
-from dstrain.tools.convert.formats import SAFETENSORS_DTYPES
+
+# safetensors' names for the dtypes a state dict can hold.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 _SAFETENSORS_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 

@@ -13,19 +13,7 @@ from dstrain.errors import UserError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# safetensors' names for the dtypes a state dict can hold.
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+from dstrain.models.weights import SAFETENSORS_DTYPES  # noqa: F401 (defined with the loader that reads them)
 
 
 TORCH_SUFFIXES = {".pt", ".pth", ".bin"}
