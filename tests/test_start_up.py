@@ -38,7 +38,12 @@ def test_a_lazily_compiled_function_is_compiled_once_at_its_first_call(monkeypat
 @pytest.mark.slow
 def test_deepspeeds_muon_module_imports_without_inductor_and_the_optimizer_check_answers_as_before():
     """In a fresh interpreter: the module DeepSpeed imports at every engine build comes in without
-    TorchInductor, and DeepSpeed's own check then gives its answers (Muon's class is on its list)."""
+    TorchInductor, and DeepSpeed's own check then gives its answers (Muon's class is on its list). Only on the
+    DeepSpeed releases the speed layer was verified on, as the ranks decide (0.18.9 imports Muon with
+    `import deepspeed` already: there is nothing to change)."""
+    from dstrain.speedups.registry import unverified
+    if unverified():
+        pytest.skip(unverified())
     script = """
 import json, os, sys, torch
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
