@@ -1,13 +1,15 @@
 """Preference objectives in the real training path (issue 52): the loss the model's forward computes
 (dstrain.models.preference) against preference_loss's functions on log-probs computed by hand from the
 whole logits; the micro batch weighting and metric averaging of the rank (dstrain.rank.preference); one DPO
-step with a real deepspeed.initialize per reference mode; and one launcher run (LoRA DPO at ZeRO-2, resumed)."""
+step with a real deepspeed.initialize per reference mode; and one launcher run (LoRA DPO at ZeRO-2 on
+two ranks, resumed on one, converted and generated from)."""
 
 from __future__ import annotations
 
 import copy
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -139,23 +141,54 @@ def test_one_dpo_step_of_a_real_engine_equals_the_dpo_loss_computed_by_hand(tmp_
 
 # --- the launcher -------------------------------------------------------------------------------------------
 
+def dpo_loss_of(policy, reference, batch: dict, beta: float) -> float:
+    """The sigmoid DPO loss over all pairs of a (packed) batch, from the whole fp32 logits of two transformers
+    models: what the run logs for that batch when `policy` holds its weights and `reference` the start."""
+    segments = pl.shift_segment_ids(batch["example_ids"], batch["labels"])
+    targets = torch.where(segments >= 0, pl.shift_labels(batch["labels"]), -100)
+
+    def sums(model):
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        logps = logits.float().log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return pl.segment_logps(torch.where(targets != -100, logps, 0.0), segments, len(batch["desirable"]))[0]
+
+    mine, theirs, pairs = sums(policy), sums(reference), len(batch["margin"])
+    return pl.dpo_loss(mine[:pairs], mine[pairs:], theirs[:pairs], theirs[pairs:], beta=beta).loss.item()
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers and peft")
-def test_lora_dpo_trains_through_the_launcher_logs_trls_metrics_saves_and_resumes(tmp_path):
-    """`dstrain run` on 2 CPU ranks: DPO, LoRA with the adapters switched off as the reference, ZeRO-2, packed
-    Zen pairs. Step 1's loss is ln 2 (policy == reference), the losses stay finite, metrics.jsonl has TRL's
-    rewards/* and logps/* (and eval_ ones), a checkpoint is saved, and --resume continues from it."""
+def test_lora_dpo_trains_on_two_ranks_resumes_on_one_converts_and_generates(tmp_path, monkeypatch):
+    """`dstrain run` on 2 CPU ranks: DPO, LoRA, ZeRO-2, packed Zen pairs, the reference precomputed (the two
+    ranks share the pass, rank 0 writes the cache). Step 1's loss is ln 2 (policy == reference), metrics.jsonl
+    has TRL's rewards/* and logps/* (and eval_ ones), a checkpoint is saved at 3. Then --resume on ONE rank
+    (grad accum 2: the same global batch), through a universal checkpoint, reading the cache the two ranks
+    wrote. In-process afterwards (no ranks): step 4's logged loss is the DPO loss of step 4's pairs computed by
+    hand from `convert-checkpoint --format peft` of the two-rank checkpoint against the base model, so the
+    one-rank run continued from the trained weights, at the data position, against the starting model's
+    log-probs; and `dstrain generate` on the run converts the one-rank checkpoint, whose model gives the
+    run's step-4 eval loss by hand and writes other text than the base model."""
+    from typer.testing import CliRunner
+
+    from dstrain.cli import app
+    from dstrain.config.resolve import resolve as resolve_config
+    from dstrain.tools import generate
     from hf_models import save_tiny_llama
     from launcher import assert_ok, dstrain, losses, run_hf
+    from tiny_tokenizer import build_tokenizer
     run_dir = tmp_path / "run"
     pairs = write_zen_pairs(tmp_path / "pairs.jsonl", repeat=2)
-    result = run_hf(run_dir, "stage2", save_tiny_llama(tmp_path / "llama"), "train.objective=dpo",
-                    "data.format=preference", "data.source=jsonl", f"data.paths=[{pairs}]",
-                    f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=96", "model.lora={r: 4, alpha: 8}",
-                    "train.lr=0.02", "train.warmup_steps=0", "train.max_steps=3", "train.eval_every=3",
-                    "train.save_every=3", "preference.beta=0.5")
+    llama = build_tokenizer(save_tiny_llama(tmp_path / "llama", vocab_size=320))  # a tokenizer for generate
+    result = run_hf(run_dir, "stage2", llama, "train.objective=dpo", "data.format=preference", "data.source=jsonl",
+                    f"data.paths=[{pairs}]", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=96",
+                    "model.lora={r: 4, alpha: 8}", "train.lr=0.02", "train.warmup_steps=0", "train.max_steps=3",
+                    "train.eval_every=3", "train.save_every=3", "preference.beta=0.5",
+                    "preference.reference=precomputed")
     assert_ok(result)
-    assert "reference: the same model with its LoRA adapters switched off" in result.stdout
+    cache = next((tmp_path / "cache" / "reference").glob("*.npy"))
+    assert f"computed with the starting weights into {cache}" in result.stdout
+    assert "batch: micro 2 x grad accum 1 x world 2 = 4 sequences" in result.stdout
     trained = losses(run_dir)
     assert sorted(trained) == [1, 2, 3] and all(math.isfinite(v) for v in trained.values())
     assert trained[1] == pytest.approx(math.log(2), abs=1e-5)
@@ -168,11 +201,45 @@ def test_lora_dpo_trains_through_the_launcher_logs_trls_metrics_saves_and_resume
     evals = [row for row in rows if "eval_loss" in row]
     assert evals and math.isfinite(evals[-1]["eval_loss"]) and "eval_rewards/accuracies" in evals[-1]
     assert "acc " in result.stdout and "margin " in result.stdout  # the console line
-    assert (run_dir / "checkpoints" / "latest").is_file()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step00000003"
 
-    resumed = dstrain("run", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir), "--resume", "latest",
-                      "--set", "train.max_steps=4")
+    resumed = dstrain("run", "--accelerator", "cpu", "--gpus", "1", "--run-dir", str(run_dir), "--resume", "latest",
+                      "--set", "train.max_steps=4", "--set", "train.grad_accum_steps=2")
     assert_ok(resumed)
-    assert "resumed from" in resumed.stdout
-    after = losses(run_dir)
-    assert 4 in after and math.isfinite(after[4])
+    out = " ".join(resumed.stdout.split())
+    assert "universal checkpoint" in out and (run_dir / "universal" / "step00000003").is_dir()
+    assert "batch: micro 2 x grad accum 2 x world 1 = 4 sequences" in out
+    assert f"read from {cache}" in out and len(list(cache.parent.glob("*.npy"))) == 1
+    assert "resumed from step00000003 at step 3" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    after = {row["step"]: row for row in rows if "loss" in row}
+    assert sorted(after) == [1, 2, 3, 4] and "rewards/margins" in after[4]
+    assert {row["step"]: row["loss"] for row in after.values() if row["step"] < 4} == trained
+    eval_loss = {row["step"]: row["eval_loss"] for row in rows if "eval_loss" in row}
+
+    # In-process from here: the models as dstrain's convert-checkpoint and generate give them to transformers.
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # generate sets it for DeepSpeed's import; the test's env is kept
+    config = resolve_config(None, run_dir / "config.yaml", [], world_size=1, accelerator="cpu", env={}).config
+    train, held_out = build_samplers(config)
+    G = config.train.global_batch_size
+    base, _ = generate.load(generate.find_model(llama), "cpu")
+    converted = CliRunner().invoke(app, ["convert-checkpoint", str(run_dir / "checkpoints"), str(tmp_path / "at3"),
+                                         "--format", "peft", "--tag", "step00000003"])
+    assert converted.exit_code == 0, converted.output
+    at3, _ = generate.load(generate.find_model(tmp_path / "at3"), "cpu")
+    assert dpo_loss_of(at3, base, train.batch(3 * G, G), beta=0.5) == pytest.approx(after[4]["loss"], rel=1e-5)
+
+    found = generate.find_model(run_dir)  # what `dstrain generate RUN_DIR` loads: step 4, converted
+    try:
+        assert "checkpoint step00000004" in found.note
+        at4, tokenizer = generate.load(found, "cpu")
+        whole_split = held_out.batch(0, held_out.size)
+        assert dpo_loss_of(at4, base, whole_split, beta=0.5) == pytest.approx(eval_loss[4], rel=1e-5)
+    finally:
+        shutil.rmtree(found.temporary, ignore_errors=True)
+    written = CliRunner().invoke(app, ["generate", str(run_dir), "--prompt", "Beautiful is", "--max-new-tokens", "8"])
+    assert written.exit_code == 0, written.output
+    assert "checkpoint step00000004 of" in written.stderr and written.stdout.strip()
+    prompt = tokenizer("Beautiful is", return_tensors="pt")["input_ids"]
+    assert written.stdout == generate.complete(at4, tokenizer, prompt, 8, 0.0, 1.0) + "\n"
+    assert written.stdout != generate.complete(base, tokenizer, prompt, 8, 0.0, 1.0) + "\n"  # trained, not the base
