@@ -227,6 +227,8 @@ def test_lora_dpo_trains_on_two_ranks_resumes_on_one_converts_and_generates(tmp_
                                          "--format", "peft", "--tag", "step00000003"])
     assert converted.exit_code == 0, converted.output
     at3, _ = generate.load(generate.find_model(tmp_path / "at3"), "cpu")
+    # step 4 trains samples 3G..4G-1 whatever the ranks (dstrain.data.sampler.rank_batch) and logs the mean over
+    # their pairs (dstrain.rank.preference): one batch of all of them gives it
     assert dpo_loss_of(at3, base, train.batch(3 * G, G), beta=0.5) == pytest.approx(after[4]["loss"], rel=1e-5)
 
     found = generate.find_model(run_dir)  # what `dstrain generate RUN_DIR` loads: step 4, converted
