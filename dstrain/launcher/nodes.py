@@ -10,10 +10,10 @@ process started and never changes is an earlier job's.
 A node's processes that die end the job in seconds: on gloo the survivors' collectives fail and
 supervise.py names the rank; over NCCL the survivors wait in the collective, so this watch reads the exit
 record the dead rank's own node writes (failures.record_deaths), or the rank's own report of an exception,
-and ends the job FAILED_GRACE_S later, when this node's ranks have not ended on their own. What it adds too is the node that never comes (train.join_timeout_s, or
-`--join-timeout`) and the node that is there but gives no sign of life: stopped, frozen, cut off
-(train.liveness_timeout_s), which would otherwise hold every other node in a collective until the hang
-timeout, sized for long compiles. The first node to reach a verdict records it in the run directory
+and ends the job FAILED_GRACE_S later, when this node's ranks have not ended on their own. It also ends
+the job for the node that never comes (train.join_timeout_s, or `--join-timeout`) and the node that is
+there but gives no sign of life: stopped, frozen, cut off (train.liveness_timeout_s), which would
+otherwise hold every other node in a collective until the hang timeout, sized for long compiles. The first node to reach a verdict records it in the run directory
 (RUN_DIR/ranks/nodes.verdict, the silent ranks' exit records, an event in metrics.jsonl); the other nodes
 read it when their own ranks fail in turn. No torch here.
 """
