@@ -1,5 +1,7 @@
 """GPU benchmark: training a mixture-of-experts model (issue 53, item 4), dstrain against Accelerate with the
-same DeepSpeed config, on 2 and 4 GPUs. Written, not yet run: its rows are not in docs/fine-tuning.md.
+same DeepSpeed config, on 2 and 4 GPUs. Run on 2 H200s (2026-11-28, docs/benchmarks.md); not yet on 4. Needs
+transformers >= 5.24 (the ZeRO-3 MoE loader's conversions): on the device machine install the carried
+.whl/tf524 wheel into /tmp/site after sourcing benchmarks/gpu_env.sh.
 
     source benchmarks/gpu_env.sh && python3 benchmarks/moe.py --gpus 2 4 --out $OUT     # ~25 min on H100s
     python3 benchmarks/moe.py --gpus 2 --rows dstrain-z3 --out /tmp/o                     # one row
@@ -64,6 +66,9 @@ def make_model(directory: Path, tiny: bool, accelerator: str) -> Path:
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory)
+    del model
+    if device == "cuda":  # else this process keeps the model's memory cached on GPU 0 while the rows run
+        torch.cuda.empty_cache()  # (seen: 32 GiB held, the micro batch 2 rows ran out of memory)
     return directory
 
 

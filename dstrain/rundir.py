@@ -36,6 +36,8 @@ HF_SOURCE_KEYS = "dstrain_source_keys.json"  # in HF_SOURCE: the source checkpoi
                                   # --format hf writes its layout (e.g. per-expert MoE tensors)
 RUN_FILES = (CONFIG, DS_CONFIG, LAUNCH)
 GAVE_UP = "run health gave up"    # how a rank's exit record starts when the run health guard gave up
+DIED = "died"                     # the kind of exit record a rank's own `dstrain run` writes for a rank that ended
+                                  # without writing one (SIGKILL, out of memory): other nodes read it
 # "<pid of dstrain run>:<file>": ranks started while `dstrain run` still checks (launcher/early_start.py)
 # wait until that file says "go", and leave quietly when that process is gone.
 START_GATE_ENV = "DSTRAIN_START_GATE"

@@ -19,8 +19,9 @@ from typer.testing import CliRunner
 
 from dstrain.cli import app
 from dstrain.hangs import DONE, Beat, read_beats
-from dstrain.launcher.nodes import (FIRST_NOTE_S, NOTE_EVERY_S, VERDICT, Node, NodeSupervision, NodeWatch,
-                                    node_layout, record_verdict)
+from dstrain.launcher.failures import failure_report, record_deaths, wait_for_records
+from dstrain.launcher.nodes import (FAILED_GRACE_S, FIRST_NOTE_S, NOTE_EVERY_S, VERDICT, Node, NodeSupervision,
+                                    NodeWatch, node_layout, record_verdict)
 
 TWO_NODES = node_layout({"node0": 1, "node1": 1})
 
@@ -211,6 +212,86 @@ def test_a_real_rank_busy_in_python_shows_life_and_once_stopped_shows_none(tmp_p
     finally:
         process.kill()
         process.wait()
+
+
+# ---------------------------------------------------------------------------------------
+# A node whose rank dies while the others wait in a collective (NCCL: they do not fail on their own)
+
+def started(run_dir, *ranks: int) -> None:
+    (run_dir / "ranks").mkdir(exist_ok=True)
+    for rank in ranks:
+        (run_dir / "ranks" / f"rank{rank}.pid").write_text(str(10 ** 6 + rank))  # no such process
+
+
+def test_a_node_records_its_rank_that_died_and_judges_no_rank_of_another_node_without_a_record(tmp_path):
+    started(tmp_path, 0, 1)
+    # Node 1 after its launcher gave up: rank 1 died; rank 0 is node 0's, still running there (no record).
+    assert record_deaths(tmp_path, alive=set(), own_ranks=range(1, 2)) == [1]
+    assert not (tmp_path / "ranks" / "rank0.exit").exists()
+    assert failure_report(tmp_path, set(), own_ranks=range(1, 2)) == [
+        f"rank 1 died without reporting (killed by a signal such as SIGKILL, or out of memory); its log: "
+        f"{tmp_path / 'ranks' / 'rank1.log'}"]
+    # Node 0, whose own rank failed on the broken collective (gloo): rank 1's death is named from node 1's record.
+    (tmp_path / "ranks" / "rank0.exit").write_text("failed: RuntimeError: Connection closed by peer")
+    assert record_deaths(tmp_path, alive=set(), own_ranks=range(0, 1)) == []  # rank 0 wrote its own
+    assert failure_report(tmp_path, set(), own_ranks=range(0, 1))[0].startswith("rank 1 died without reporting")
+
+
+def test_a_node_waits_a_moment_for_the_other_nodes_records_but_not_for_ranks_still_running(tmp_path):
+    started(tmp_path, 0, 1)
+    begun = time.monotonic()
+    wait_for_records(tmp_path, own_ranks=range(0, 1), timeout_s=0.5)  # rank 1 never records: the whole wait
+    assert time.monotonic() - begun >= 0.5
+    (tmp_path / "ranks" / "rank1.exit").write_text("died: killed")
+    begun = time.monotonic()
+    wait_for_records(tmp_path, own_ranks=range(0, 1), timeout_s=5)
+    assert time.monotonic() - begun < 0.5
+
+
+def test_another_nodes_dead_rank_ends_the_job_a_grace_period_after_its_record_naming_it(tmp_path):
+    started(tmp_path, 0, 1)
+    (tmp_path / "ranks" / "rank1.exit").write_text("died: an earlier job's")
+    supervision = NodeSupervision(tmp_path, TWO_NODES, 300, 60, Console(file=open(os.devnull, "w")),
+                                  own_ranks=range(0, 1))
+    assert supervision.failures() == {}  # an earlier job's record is not this job's
+    (tmp_path / "ranks" / "rank1.exit").unlink()  # node 1 starts: its records are replaced
+    (tmp_path / "ranks" / "rank0.exit").write_text("failed: this node's own rank: its launcher reports it")
+    time.sleep(0.01)
+    record_deaths(tmp_path, alive=set(), own_ranks=range(1, 2))  # node 1, after its rank was killed
+    failures = supervision.failures()
+    assert set(failures) == {0, 1} and failures[1].startswith("died: ")
+
+    watch = NodeWatch(tmp_path, TWO_NODES, join_timeout_s=300, liveness_timeout_s=60, now=0.0, before={},
+                      own_ranks=range(0, 1))
+    beats = {0: beat(0, 1.0), 1: beat(1, 1.0)}
+    assert watch.check(beats, 1.0) == ([], None)
+    assert watch.check(beats, 2.0, failures) == ([], None)  # node 0's ranks may still end on their own (gloo)
+    _, verdict = watch.check(beats, 2.0 + FAILED_GRACE_S, failures)
+    assert verdict.kind == "failed" and verdict.ranks == [1] and verdict.nodes == [TWO_NODES[1]]
+    text = plain(verdict.lines)
+    assert "node 1 failed: this node's ranks were waiting for rank 1 in a collective" in text
+    assert (f"rank 1 died without reporting (killed by a signal such as SIGKILL, or out of memory); its log: "
+            f"{tmp_path / 'ranks' / 'rank1.log'}") in text
+    assert record_verdict(tmp_path, verdict, before=None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["ranks"]) for r in rows] == [("node_failed", [1])]
+    assert (tmp_path / "ranks" / "rank1.exit").read_text().startswith("died: ")  # its node's record stays
+
+
+def test_another_nodes_rank_that_raised_ends_the_job_too_and_a_finished_or_lost_rank_does_not(tmp_path):
+    watch = NodeWatch(tmp_path, TWO_NODES, join_timeout_s=300, liveness_timeout_s=60, now=0.0, before={},
+                      own_ranks=range(0, 1))
+    beats = {0: beat(0, 1.0), 1: beat(1, 1.0)}
+    failure = {1: "error: data.paths: /data/x.jsonl does not exist\n  fix: ..."}
+    watch.check(beats, 1.0, failure)
+    _, verdict = watch.check(beats, 1.0 + FAILED_GRACE_S, failure)
+    assert "rank 1 failed: data.paths: /data/x.jsonl does not exist" in plain(verdict.lines)
+    (tmp_path / "ranks").mkdir(exist_ok=True)
+    supervision = NodeSupervision(tmp_path, TWO_NODES, 300, 60, Console(file=open(os.devnull, "w")),
+                                  own_ranks=range(0, 1))
+    (tmp_path / "ranks" / "rank1.exit").write_text("ok")
+    (tmp_path / "ranks" / "rank2.exit").write_text("lost: node 2 stopped answering")
+    assert supervision.failures() == {}
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ nor DeepSpeed.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 from dstrain import rundir
@@ -53,17 +54,66 @@ def config_key(text: str) -> tuple[str, str] | None:
     return None
 
 
-def failure_report(run_dir: Path, alive: set[int]) -> list[str]:
-    """The lines `dstrain run` prints after a failed run. `alive`: ranks still running when the launcher gave
-    up (they were stopped because of another rank, not failed)."""
+DIED_WHY = "killed by a signal such as SIGKILL, or out of memory"
+
+
+def died_line(run_dir: Path, rank: int) -> str:
+    return f"rank {rank} died without reporting ({DIED_WHY}); its log: {rundir.rank_log(run_dir, rank)}"
+
+
+def _started(run_dir: Path) -> list[int]:
+    return sorted(int(p.name[4:-4]) for p in (run_dir / rundir.RANKS).glob("rank*.pid"))
+
+
+def _record_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def record_deaths(run_dir: Path, alive: set[int], own_ranks: range | None) -> list[int]:
+    """Write an exit record for each of this node's ranks that started, is no longer running and wrote none
+    (killed from outside, or crashed hard), so that the other nodes of the job learn of it from the run
+    directory: over NCCL their ranks wait in a collective for the dead one instead of failing. Returns them."""
     directory = run_dir / rundir.RANKS
-    started = sorted(int(p.name[4:-4]) for p in directory.glob("rank*.pid"))
+    dead = []
+    for rank in _started(run_dir):
+        if (own_ranks is not None and rank not in own_ranks) or rank in alive:
+            continue
+        try:
+            with open(directory / f"rank{rank}.exit", "x") as record:
+                record.write(f"{rundir.DIED}: {DIED_WHY}")
+            dead.append(rank)
+        except OSError:
+            pass  # it wrote its own (or the disk is gone: the report below still names it)
+    return dead
+
+
+def wait_for_records(run_dir: Path, own_ranks: range, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for the exit records of the other nodes' ranks that started: when a node's
+    ranks fail together, the record of a rank killed elsewhere comes from its own node's `dstrain run` a
+    moment after the launcher here gave up. A rank still running elsewhere never writes one in time."""
+    directory = run_dir / rundir.RANKS
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all((directory / f"rank{r}.exit").exists() for r in _started(run_dir) if r not in own_ranks):
+            return
+        time.sleep(0.2)
+
+
+def failure_report(run_dir: Path, alive: set[int], own_ranks: range | None = None) -> list[str]:
+    """The lines `dstrain run` prints after a failed run. `alive`: ranks still running when the launcher gave
+    up (they were stopped because of another rank, not failed). `own_ranks`: this node's ranks, where other
+    nodes run the rest (--no-ssh): another node's rank is said to have died only on its own node's record."""
+    directory = run_dir / rundir.RANKS
+    started = _started(run_dir)
     records = {r: directory / f"rank{r}.exit" for r in started}
-    silent = [r for r in started if not records[r].exists() and r not in alive]
+    texts = {r: text for r in started if (text := _record_text(records[r])) is not None}
+    silent = [r for r in started if (r not in texts and r not in alive and (own_ranks is None or r in own_ranks))
+              or texts.get(r, "").startswith(f"{rundir.DIED}: ")]
     if silent:  # no record at all: killed from outside (SIGKILL, the OOM killer) or crashed hard
-        return [f"rank {r} died without reporting (killed by a signal such as SIGKILL, or out of memory); "
-                f"its log: {rundir.rank_log(run_dir, r)}" for r in silent]
-    texts = {r: records[r].read_text() for r in started if records[r].exists()}
+        return [died_line(run_dir, r) for r in silent]
     failed = sorted((records[r].stat().st_mtime_ns, r, text) for r, text in texts.items() if text != "ok")
     if not failed:
         return []

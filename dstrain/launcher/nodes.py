@@ -7,11 +7,13 @@ the rank is doing. A rank is judged by when this process saw its record change, 
 clock, so nodes whose clocks disagree still agree on who is silent; a record that was there before this
 process started and never changes is an earlier job's.
 
-A node's processes that die end the job in seconds without this watch (the survivors' collectives fail
-and supervise.py names the rank). What it adds is the node that never comes (train.join_timeout_s, or
-`--join-timeout`) and the node that is there but gives no sign of life: stopped, frozen, cut off
-(train.liveness_timeout_s), which would otherwise hold every other node in a collective until the hang
-timeout, sized for long compiles. The first node to reach a verdict records it in the run directory
+A node's processes that die end the job in seconds: on gloo the survivors' collectives fail and
+supervise.py names the rank; over NCCL the survivors wait in the collective, so this watch reads the exit
+record the dead rank's own node writes (failures.record_deaths), or the rank's own report of an exception,
+and ends the job FAILED_GRACE_S later, when this node's ranks have not ended on their own. It also ends
+the job for the node that never comes (train.join_timeout_s, or `--join-timeout`) and the node that is
+there but gives no sign of life: stopped, frozen, cut off (train.liveness_timeout_s), which would
+otherwise hold every other node in a collective until the hang timeout, sized for long compiles. The first node to reach a verdict records it in the run directory
 (RUN_DIR/ranks/nodes.verdict, the silent ranks' exit records, an event in metrics.jsonl); the other nodes
 read it when their own ranks fail in turn. No torch here.
 """
@@ -31,11 +33,14 @@ from dstrain import rundir
 from dstrain.checkpoints import LATEST
 from dstrain.console_text import outside
 from dstrain.hangs import DONE, Beat, read_beats
+from dstrain.launcher.failures import died_line, short
 
 CHECK_EVERY_S = 1.0
 FIRST_NOTE_S = 5.0    # the first "waiting for" note: nodes started together have joined by then
 NOTE_EVERY_S = 30.0   # then this often, until every node has joined
 VERDICT = "nodes.verdict"  # in RUN_DIR/ranks: the report of the node that ended the job, as plain text
+FAILED_GRACE_S = 5.0  # after another node's rank recorded its failure: this node's ranks may end on their own
+NOT_FAILURES = ("ok", "lost", "missing")  # exit records that say no rank failed (the last two: a node verdict)
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,10 @@ def node_layout(active: dict[str, int]) -> list[Node]:
 
 @dataclass
 class Verdict:
-    kind: str           # "missing" (never joined) or "lost" (joined, then silent)
+    kind: str           # "missing" (never joined), "lost" (joined, then silent) or "failed" (a rank elsewhere
+                        # recorded its death or error while this node's ranks waited on)
     nodes: list[Node]
-    ranks: list[int]    # the ranks that never came, or went silent
+    ranks: list[int]    # the ranks that never came, went silent, or failed
     lines: list[str]    # the report (markup, outside text escaped)
 
 
@@ -90,9 +96,15 @@ class NodeWatch:
         before = read_beats(run_dir) if before is None else before
         self.stale = {rank: beat.alive for rank, beat in before.items()}
         self.seen: dict[int, _Seen] = {}
+        self.failed_at: dict[int, float] = {}  # rank elsewhere -> when this process first read its failure
 
-    def check(self, beats: dict[int, Beat], now: float) -> tuple[list[str], Verdict | None]:
-        """(notes to print now, the verdict that ends the job or None)."""
+    def check(self, beats: dict[int, Beat], now: float,
+              failures: dict[int, str] | None = None) -> tuple[list[str], Verdict | None]:
+        """(notes to print now, the verdict that ends the job or None). `failures`: the exit records of
+        this job's ranks that failed (rank -> record), as NodeSupervision reads them."""
+        verdict = self._failed(failures or {}, now)
+        if verdict is not None:
+            return [], verdict
         if now - self.last_check > max(CHECK_EVERY_S * 5, self.liveness_timeout_s / 2):
             for seen in self.seen.values():  # this process did not look for a while (suspended, starved):
                 seen.at = now                # the silence it would measure is its own
@@ -118,6 +130,31 @@ class NodeWatch:
             return notes, None
         lost = [node for node in self.nodes if any(rank in silent for rank in node.ranks)]
         return notes, Verdict("lost", lost, silent, self._lost_report(lost, silent, beats, now))
+
+    def _failed(self, failures: dict[int, str], now: float) -> Verdict | None:
+        """Another node's rank recorded its failure FAILED_GRACE_S ago, and this node's ranks still run (else
+        the launcher would have ended and supervise.py reported it): over NCCL they wait for it in a
+        collective until the hang timeout. This node's own ranks are its launcher's to report."""
+        for rank in failures:
+            if self.own_ranks is None or rank not in self.own_ranks:
+                self.failed_at.setdefault(rank, now)
+        ranks = sorted(r for r, at in self.failed_at.items() if now - at >= FAILED_GRACE_S)
+        if not ranks:
+            return None
+        failed = [node for node in self.nodes if any(rank in ranks for rank in node.ranks)]
+        return Verdict("failed", failed, ranks, self._failed_report(failed, ranks, failures))
+
+    def _failed_report(self, failed: list[Node], ranks: list[int], failures: dict[int, str]) -> list[str]:
+        lines = [f"[bold red]{_names(failed)} failed:[/] this node's ranks were waiting for "
+                 f"{_ranks(ranks)} in a collective"]
+        for rank in ranks:
+            kind, _, detail = failures.get(rank, "").partition(": ")
+            if kind == rundir.DIED:
+                lines.append(f"  {outside(died_line(self.run_dir, rank))}")
+            else:
+                lines.append(f"  rank {rank} failed: {outside(short(detail or kind))}; its log: "
+                             f"{outside(rundir.rank_log(self.run_dir, rank))}")
+        return lines + [_ending(self.run_dir)]
 
     def _assembling(self, missing: list[Node], now: float) -> tuple[list[str], Verdict | None]:
         waited = now - self.start
@@ -205,7 +242,22 @@ class NodeSupervision:
         self.watch = NodeWatch(run_dir, nodes, join_timeout_s, liveness_timeout_s, time.monotonic(),
                                own_ranks=own_ranks)
         self.verdict_before = _identity(run_dir / rundir.RANKS / VERDICT)
+        self.records_before = {path.name: _identity(path) for path in (run_dir / rundir.RANKS).glob("rank*.exit")}
         self.next_check = 0.0
+
+    def failures(self) -> dict[int, str]:
+        """rank -> exit record, for the records written since this process started that say a rank failed."""
+        found = {}
+        for path in (self.run_dir / rundir.RANKS).glob("rank*.exit"):
+            if _identity(path) in (None, self.records_before.get(path.name)):
+                continue  # an earlier job's
+            try:
+                text = path.read_text()
+            except OSError:
+                continue
+            if text and text.partition(":")[0] not in NOT_FAILURES:
+                found[int(path.name[4:-5])] = text
+        return found
 
     def ended(self) -> bool:
         """Check (at most every CHECK_EVERY_S); on a verdict print and record it and return True."""
@@ -213,7 +265,7 @@ class NodeSupervision:
         if now < self.next_check:
             return False
         self.next_check = now + CHECK_EVERY_S
-        notes, verdict = self.watch.check(read_beats(self.run_dir), now)
+        notes, verdict = self.watch.check(read_beats(self.run_dir), now, self.failures())
         for note in notes:
             self.console.print(f"[yellow]note:[/] {note}", soft_wrap=True, highlight=False)
         if verdict is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.console import Console
 
 from dstrain.console_text import outside
-from dstrain.launcher.failures import failure_report
+from dstrain.launcher.failures import failure_report, record_deaths, wait_for_records
 from dstrain.launcher.nodes import Node, NodeSupervision
 from dstrain.launcher.watchdog import Watchdog
 from dstrain.rundir import GAVE_UP, RANKS
@@ -30,6 +30,7 @@ HUNG_EXIT = 1
 NODE_EXIT = 1     # a node never joined, or stopped answering (nodes.py)
 GAVE_UP_EXIT = 1  # the run health guard gave up (dstrain/rank/health.py)
 STOP_GRACE_S = 110  # a preempted job must be gone within 120 s; ranks get this long to save
+OTHER_RECORDS_WAIT_S = 3.0  # for the other nodes' exit records, before naming the rank that failed
 
 
 # The launcher's own lines; its "[ERROR] [...] exits with return code" repeats what dstrain's failure message says.
@@ -170,7 +171,8 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, verbose: b
         for line in elsewhere:
             console.print(f"  {outside(line)}", soft_wrap=True)
         return NODE_EXIT
-    return _job_exit_code(process.returncode, received[0] if received else None, saves, run_dir, alive, console)
+    return _job_exit_code(process.returncode, received[0] if received else None, saves, run_dir, alive, console,
+                          own_ranks)
 
 
 def _pump(process: subprocess.Popen, verbose: bool) -> None:
@@ -184,7 +186,7 @@ def _pump(process: subprocess.Popen, verbose: bool) -> None:
 
 
 def _job_exit_code(code: int, signum: int | None, saves: bool, run_dir: Path, alive: set[int],
-                   console: Console) -> int:
+                   console: Console, own_ranks: range | None = None) -> int:
     """dstrain run's exit code from the launcher's, saying how the job ended: 128 + the signal after a
     clean stop, the launcher's code (at least 1) with the failed ranks named after a failure."""
     if code == 0 and signum is not None:
@@ -197,8 +199,11 @@ def _job_exit_code(code: int, signum: int | None, saves: bool, run_dir: Path, al
         console.print("[bold red]training gave up[/] (run health; report above)")
         return GAVE_UP_EXIT
     if code != 0:
+        if own_ranks is not None:  # other nodes share the job: tell them first, then hear from them
+            record_deaths(run_dir, alive, own_ranks)
+            wait_for_records(run_dir, own_ranks, OTHER_RECORDS_WAIT_S)
         console.print(f"[bold red]training failed[/] (launcher exit code {code})")
-        for line in failure_report(run_dir, alive):  # the rank's exception and the run directory's path
+        for line in failure_report(run_dir, alive, own_ranks):  # the rank's exception and the run directory's path
             console.print(f"[red]{outside(line)}[/]")
         return code if code > 0 else 1
     return 0
