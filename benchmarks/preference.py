@@ -62,19 +62,15 @@ import argparse
 import fnmatch
 import json
 import os
-import platform
-import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import sft  # noqa: E402 - the SFT benchmark's helpers: tokenizer, process runner, DeepSpeed JSON, versions
-from sft import DSTRAIN_ROOT, log, run_logged  # noqa: E402
+import sft  # the SFT benchmark's TRL launch and LoRA settings
+from run_record import (device_name, dstrain_command, log, reuse_or_make_llama, run_logged, run_rows, short_name,
+                        versions_in_child)
 
 LLAMA32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=8192,
@@ -94,27 +90,6 @@ TRL_MICRO_PAIRS = 4
 
 
 # ---------------------------------------------------------------- setup: model, data
-
-def make_model(directory: Path, tiny: bool) -> dict:
-    import torch
-    from make_instruction_data import corpus_text
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    shape = LLAMA_TINY if tiny else LLAMA32_1B
-    directory.mkdir(parents=True, exist_ok=True)
-    text = corpus_text()
-    vocab = shape["vocab_size"] if tiny else TOKENIZER_VOCAB
-    chars_per_token = sft.build_tokenizer(directory, vocab, text[: (1 if tiny else 6) * 1_000_000])
-    torch.manual_seed(0)
-    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(directory, max_shard_size="1GB")
-    facts = {"params": sum(p.numel() for p in model.parameters()), "shape": shape, "tokenizer_vocab": vocab,
-             "chars_per_token": chars_per_token,
-             "as": "tiny Llama" if tiny else "Llama-3.2-1B's shape (no rope scaling), random weights"}
-    (directory / "bench_facts.json").write_text(json.dumps(facts, indent=2))
-    return facts
-
 
 def make_pairs(directory: Path, pairs: int, seq_len: int, chars_per_token: float, tokenizer_dir: Path,
                seed: int = 0, scale: float = 1.0) -> dict:
@@ -206,12 +181,9 @@ def dstrain_row(spec: dict, ctx: dict, args) -> dict:
     if spec["lora"]:
         sets += [f"model.lora.r={LORA_R}", f"model.lora.alpha={LORA_ALPHA}",
                  f"model.lora.target_modules=[{','.join(LORA_TARGETS)}]"]
-    command = [sys.executable, "-m", "dstrain.cli", "run", "--preset", f"stage{spec['stage']}", "--gpus", "1",
-               "--accelerator", args.accelerator, "--run-dir", str(run_dir)]
-    for item in sets + (args.dstrain_set or []):
-        command += ["--set", item]
+    command = dstrain_command(f"stage{spec['stage']}", 1, args.accelerator, run_dir, sets + (args.dstrain_set or []))
     launched = time.time()
-    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit, cwd=DSTRAIN_ROOT)
+    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit)
     row.update({"wall_s": round(wall, 1), "micro_batch": micro, "grad_accum": accum, "reference": reference,
                 "activation_checkpointing": bool(spec.get("ac")), "command": " ".join(command)})
     metrics_path = run_dir / "metrics.jsonl"
@@ -255,36 +227,13 @@ def step_pairs(run_dir: Path, steps: int) -> list[int]:
 # ---------------------------------------------------------------- TRL rows
 
 def trl_row(spec: dict, ctx: dict, args) -> dict:
-    name = spec["name"]
-    row = {k: spec[k] for k in ("name", "runner", "stage", "lora", "packed")}
-    where = args.work / "runs" / name
-    shutil.rmtree(where, ignore_errors=True)
-    where.mkdir(parents=True)
     child = {"model": str(ctx["model"]), "data": str(ctx["data"] / "pairs.jsonl"), "lora": spec["lora"],
-             "gc": spec["gc"], "seq_len": args.seq_len, "micro": TRL_MICRO_PAIRS,
-             "accum": args.global_pairs // TRL_MICRO_PAIRS, "steps": args.steps, "warmup": args.warmup,
-             "seed": args.seed, "lr": LR_LORA if spec["lora"] else LR_FULL, "output_dir": str(where / "out"),
-             "result": str(where / "result.json"), "cuda": args.accelerator == "cuda", "launched": time.time()}
-    (where / "spec.json").write_text(json.dumps(child))
-    (where / "ds_config.json").write_text(json.dumps(sft.trl_ds_config(spec["stage"]), indent=2))
-    accelerate_config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED",
-                         "deepspeed_config": {"deepspeed_config_file": str(where / "ds_config.json"),
-                                              "zero3_init_flag": spec["stage"] == 3},
-                         "machine_rank": 0, "main_training_function": "main", "num_machines": 1, "num_processes": 1,
-                         "rdzv_backend": "static", "same_network": True, "use_cpu": args.accelerator == "cpu"}
-    (where / "accelerate.yaml").write_text(json.dumps(accelerate_config, indent=2))  # JSON is YAML
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(where / "accelerate.yaml"),
-               str(Path(__file__).resolve()), "trl-child", "--spec", str(where / "spec.json")]
-    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit, cwd=HERE.parent)
-    row.update({"wall_s": round(wall, 1), "deepspeed": True, "gradient_checkpointing_asked": spec["gc"],
-                "micro_batch": TRL_MICRO_PAIRS, "grad_accum": args.global_pairs // TRL_MICRO_PAIRS,
-                "command": " ".join(command), "ds_config": sft.trl_ds_config(spec["stage"])})
-    result = where / "result.json"
-    if code or not result.exists():
-        return {**row, "error": f"exit {code}: {tail[-1500:]}"}
-    row.update(json.loads(result.read_text()))
-    return row
-
+             "gc": spec["gc"], "micro": TRL_MICRO_PAIRS, "accum": args.global_pairs // TRL_MICRO_PAIRS,
+             "lr": LR_LORA if spec["lora"] else LR_FULL, "launched": time.time()}
+    return {**{k: spec[k] for k in ("name", "runner", "stage", "lora", "packed")}, "deepspeed": True,
+            "gradient_checkpointing_asked": spec["gc"], "micro_batch": TRL_MICRO_PAIRS,
+            "grad_accum": args.global_pairs // TRL_MICRO_PAIRS,
+            **sft.launch_trl(spec["name"], spec["stage"], child, Path(__file__).resolve(), args)}
 
 def trl_child(spec_path: Path) -> None:
     """Inside accelerate's process: what a TRL user writes, plus counters and dstrain's pair order."""
@@ -449,7 +398,7 @@ def curves(rows: list[dict], first: int = 30) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="bench", choices=["bench", "trl-child", "versions"])
+    parser.add_argument("command", nargs="?", default="bench", choices=["bench", "trl-child"])
     parser.add_argument("--spec", type=Path, help="trl-child: its spec file")
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     parser.add_argument("--work", type=Path, default=None, help="default /tmp/dstrain-pref[-tiny]")
@@ -471,9 +420,6 @@ def main() -> None:
     if args.command == "trl-child":
         trl_child(args.spec)
         return
-    if args.command == "versions":
-        print(json.dumps(sft.versions()))
-        return
 
     tiny = args.tiny
     args.accelerator = args.accelerator or ("cpu" if tiny else "cuda")
@@ -487,17 +433,13 @@ def main() -> None:
     args.out = args.out or args.work / "out"
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    log(f"dstrain from {DSTRAIN_ROOT}; work {args.work}; out {args.out}")
+    log(f"work {args.work}; out {args.out}")
 
     model_dir, data_dir = args.work / "model", args.work / "data"
-    facts_file = model_dir / "bench_facts.json"
-    if facts_file.exists() and json.loads(facts_file.read_text())["shape"] == (LLAMA_TINY if tiny else LLAMA32_1B):
-        facts = json.loads(facts_file.read_text())
-        log(f"model reused: {model_dir}")
-    else:
-        log("building the tokenizer and the model (random weights, bf16 safetensors)")
-        facts = make_model(model_dir, tiny)
-        log(f"model: {facts['params'] / 1e9:.3f}B parameters, tokenizer {facts['chars_per_token']:.2f} chars/token")
+    # the tokenizer's 32,000 ids; the embedding and the head keep Llama-3.2's 128,256 rows (the head's cost there)
+    facts = reuse_or_make_llama(model_dir, LLAMA_TINY if tiny else LLAMA32_1B,
+                                tokenizer_vocab=LLAMA_TINY["vocab_size"] if tiny else TOKENIZER_VOCAB,
+                                text_chars=(1 if tiny else 6) * 1_000_000)
     lengths = make_pairs(data_dir, args.pairs, args.seq_len, facts["chars_per_token"], model_dir,
                          scale=0.15 if tiny else 1.0)
     log(f"data: {json.dumps(lengths)}")
@@ -508,49 +450,20 @@ def main() -> None:
         f"(~{packed_micro[0] * packed_micro[1] * per_row:.1f} pairs; unpacked and TRL: {args.global_pairs})")
     ctx = {"model": model_dir, "data": data_dir, "lengths": lengths, "packed_micro": packed_micro}
 
-    device = "cpu"
-    if args.accelerator == "cuda":
-        import torch
-        device = torch.cuda.get_device_name(0)
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(), "device": device,
-           "versions": sft.versions_in_child(), "model": facts, "data": lengths, "packed_micro": packed_micro,
+    device = device_name(args.accelerator == "cuda")
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
+           "versions": versions_in_child(), "model": facts, "data": lengths, "packed_micro": packed_micro,
            "settings": {k: str(v) for k, v in vars(args).items()}, "rows": []}
-    log(f"versions: {json.dumps(doc['versions'])}")
-    short = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device)
-    out_file = args.out / f"preference-{short.group(1).lower() if short else 'cpu' if device == 'cpu' else 'gpu'}.json"
-    planned = plan_rows(args)
-    log(f"{len(planned)} rows: {', '.join(r['name'] for r in planned)}")
-    if out_file.exists():  # a partial re-run keeps the rows of the earlier run it does not repeat
-        again = {r["name"] for r in planned}
-        doc["rows"] = [r for r in json.loads(out_file.read_text()).get("rows", []) if r["name"] not in again]
-    for spec in planned:
-        name = spec["name"]
-        left = args.budget - (time.time() - sft.T0)
-        base = {k: spec[k] for k in ("name", "runner", "stage", "lora", "packed")}
-        if left < 45:
-            log(f"row {name}: skipped, {args.budget:.0f}s budget spent")
-            doc["rows"].append({**base, "error": f"skipped: the {args.budget:.0f}s budget (--budget) was spent"})
-            continue
-        args.row_limit = min(args.row_timeout, left)
-        log(f"row {name}: start (at most {args.row_limit:.0f}s)")
-        try:
-            row = dstrain_row(spec, ctx, args) if spec["runner"] == "dstrain" else trl_row(spec, ctx, args)
-        except Exception as err:  # noqa: BLE001 - one broken row must not lose the others
-            row = {**base, "error": f"{type(err).__name__}: {err}"}
-        row["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        doc["rows"].append(row)
-        out_file.write_text(json.dumps(doc, indent=2) + "\n")
-        if "error" in row:
-            log(f"row {name}: FAILED after {row.get('wall_s', '?')}s: {row['error'][-700:]}")
-        else:
-            log(f"row {name}: {row['pairs_per_s']:.2f} pairs/s, {row['real_tokens_per_s']:,.0f} real tok/s, peak "
-                f"{row['peak_gpu_gib'] if row['peak_gpu_gib'] is None else round(row['peak_gpu_gib'], 2)} GiB, "
-                f"losses {[round(x, 4) for x in row['losses'][:6]]}, {row['wall_s']}s")
-    order = [r["name"] for r in ROWS]
-    doc["rows"].sort(key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
-    out_file.write_text(json.dumps(doc, indent=2) + "\n")
+
+    def run_one(spec: dict) -> dict:
+        return dstrain_row(spec, ctx, args) if spec["runner"] == "dstrain" else trl_row(spec, ctx, args)
+
+    def describe(row: dict) -> str:
+        return (f"{row['pairs_per_s']:.2f} pairs/s, {row['real_tokens_per_s']:,.0f} real tok/s, peak "
+                f"{row['peak_gpu_gib']} GiB, losses {[round(x, 4) for x in row['losses'][:6]]}, {row['wall_s']}s")
+    run_rows(plan_rows(args), run_one, describe, doc, args.out / f"preference-{short_name(device)}.json", args,
+             order=[r["name"] for r in ROWS])
     print("\n" + table(doc["rows"]) + "\n\n" + curves(doc["rows"]), flush=True)
-    log(f"written to {out_file}")
 
 
 if __name__ == "__main__":
