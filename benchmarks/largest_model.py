@@ -42,7 +42,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-import suite  # noqa: E402  (the suite's device, version and process helpers)
+import suite  # noqa: E402  (the suite's device and process helpers)
+from run_record import versions  # noqa: E402
 
 GiB = 2**30
 OOM_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "out of memory", "Cannot allocate memory")
@@ -227,7 +228,7 @@ def main(argv: list[str]) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="dstrain-largest-"))
     work.mkdir(parents=True, exist_ok=True)
     out_path = args.out / f"{datetime.date.today().isoformat()}-{short}-largest.json"
-    doc = {"device": device, "versions": suite._versions(),
+    doc = {"device": device, "versions": versions(),
            "host_ram_gib": round(hardware.cpu_mem_bytes / GiB, 1), "gpu_mem_gib": round(hardware.gpu_mem_bytes / GiB, 1),
            "nvme_free_gib": round(hardware.nvme_free_bytes / GiB, 1), "cpu_cores": os.cpu_count(),
            "family": {"d_model": args.d_model, "n_head": args.n_head, "vocab_size": args.vocab_size,

@@ -36,6 +36,11 @@ def versions(packages: tuple[str, ...] = PACKAGES) -> dict:
             out[package] = md.version(package)
         except md.PackageNotFoundError:
             out[package] = None
+    try:
+        import torch
+        out["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
     # --dirty: a copied working tree (the GPU machine's) can carry stale git metadata
     commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True)
     out["dstrain_commit"] = commit.stdout.strip() or os.environ.get("DSTRAIN_COMMIT")
