@@ -55,6 +55,10 @@ HF_SHAPES = {
                                      num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
                                      tie_word_embeddings=True, rope_theta=5e5, max_position_embeddings=131072,
                                      rms_norm_eps=1e-5)),
+    # TinyLlama's (docs/fine-tuning.md's throughput table, against Lightning's DeepSpeedStrategy(stage=3))
+    "tinyllama-1.1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                           num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                                           max_position_embeddings=2048, tie_word_embeddings=False)),
     # CPU smoke tests: vocabulary 256 (the synthetic tokens' default range)
     "tiny-qwen2": ("Qwen2Config", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                        intermediate_size=64, vocab_size=256, tie_word_embeddings=True, rope_theta=1e6,
