@@ -435,20 +435,23 @@ def _shape_sets(args, preset: str, gpus: int) -> list[str]:
     return sets + list(args.set or [])
 
 
-def _rss_and_wait(process: subprocess.Popen, timeout: float) -> tuple[int | None, float, bool]:
-    """Wait for `process` (killing its whole tree after `timeout`); returns (exit status, peak RSS of
-    its largest process in GiB, timed out). wait4 reports the maximum over the child and every
-    descendant it reaped, which is each rank for every launcher used here."""
+def _rss_and_wait(process: subprocess.Popen, timeout: float, give_up=lambda: False) -> tuple[int | None, float, bool]:
+    """Wait for `process` (killing its whole tree after `timeout`, or once give_up() says so); returns (exit
+    status, peak RSS of its largest process in GiB, killed). wait4 reports the maximum over the child and
+    every descendant it reaped, which is each rank for every launcher used here."""
     deadline = time.monotonic() + timeout
+    _RUNNING[:] = [process.pid]
     while True:
         pid, status, usage = os.wait4(process.pid, os.WNOHANG)
         if pid:
             process.returncode = os.waitstatus_to_exitcode(status)
+            _RUNNING.clear()
             return process.returncode, usage.ru_maxrss / 2**20, False
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or give_up():
             _kill_tree(process.pid)
             _, status, usage = os.wait4(process.pid, 0)
             process.returncode = os.waitstatus_to_exitcode(status)
+            _RUNNING.clear()
             return None, usage.ru_maxrss / 2**20, True
         time.sleep(0.2)
 
@@ -590,11 +593,9 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    start_new_session=True, text=True, errors="replace", bufsize=1)
-        _RUNNING[:] = [process.pid]
         copier = threading.Thread(target=_timestamped_copy, args=(process.stdout, log, t0), daemon=True)
         copier.start()
         code, rss, timed_out = _rss_and_wait(process, args.row_timeout)
-        _RUNNING.clear()
         copier.join(timeout=10)
     row["wall_s"] = round(time.time() - t0, 1)
     row["host_rss_gib"] = round(rss, 2)
