@@ -34,19 +34,17 @@ settings, rows) and each row's log.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from run_record import (REPO, device_name, dstrain_command, install_wheels, log, metrics, reuse_or_make_llama,
-                        run_logged, run_rows, short_name, versions_in_child)
+from run_record import (REPO, device_name, install_wheels, log, pick, rate, reuse_or_make_llama, run_dstrain, run_rows,
+                        short_name, versions_in_child)
 
 LLAMA3_8B_LAYER = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128, vocab_size=32000, max_position_embeddings=8192, tie_word_embeddings=False,
@@ -60,26 +58,19 @@ ROWS = (("bf16", ["train.precision=bf16"]),
 
 def dstrain_row(name: str, sets: list[str], ctx: dict, args) -> dict:
     row = {"name": name, "stage": args.stage, "sets": sets}
-    run_dir = args.work / "runs" / name
-    shutil.rmtree(run_dir, ignore_errors=True)
     all_sets = [f"model.name=hf:{ctx['model']}", "data.source=text", f"data.paths=[{ctx['model'] / 'corpus.txt'}]",
                 f"data.seq_len={args.seq_len}", f"data.cache_dir={args.work / 'dstrain-cache'}",
-                f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}", "train.log_every=1",
-                "train.save_checkpoints=false", "train.eval_every=1000000", "train.eval_batches=1",
+                f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}",
                 f"train.warmup_steps={min(20, args.steps // 5)}", "train.lr=3e-4", f"train.seed={args.seed}", *sets]
-    command = dstrain_command(f"stage{args.stage}", 1, args.accelerator, run_dir, all_sets)
     started = time.time()
-    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit)
-    row.update({"wall_s": round(wall, 1), "command": " ".join(command)})
-    steps = [r for r in metrics(run_dir) if "loss" in r and "step_time_ms" in r]
-    if code or not steps:
-        return {**row, "error": f"exit {code}: {tail}"}
+    result, steps = run_dstrain(name, f"stage{args.stage}", all_sets, args)
+    row.update(result)
+    if "error" in row:
+        return row
     timed = [r for r in steps if r["step"] > args.warmup] or steps[-1:]
-    seconds = sum(r["step_time_ms"] for r in timed) / 1000
-    tokens = sum(r["tokens_per_s"] * r["step_time_ms"] / 1000 for r in timed)
     log_text = (args.out / "logs" / f"{name}.log").read_text(errors="replace")
     converted = re.search(r"^fp8: .*$", log_text, re.M)
-    row.update({"tokens_per_s": tokens / seconds,
+    row.update({"tokens_per_s": rate(timed),
                 "mfu": statistics.fmean(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
                 "step_s_median": statistics.median(r["step_time_ms"] for r in timed) / 1000,
                 "timed_steps": len(timed), "peak_gpu_gib": max(r.get("memory_gib", 0.0) for r in steps),
@@ -189,8 +180,7 @@ def main() -> None:
     doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
            "versions": versions_in_child(), "model": facts, "settings": {k: str(v) for k, v in vars(args).items()},
            "rows": []}
-    patterns = (args.rows or "*").split(",")
-    planned = [{"name": name, "sets": sets} for name, sets in ROWS if any(fnmatch.fnmatch(name, p) for p in patterns)]
+    planned = pick([{"name": name, "sets": sets} for name, sets in ROWS], args.rows)
 
     def describe(row: dict) -> str:
         return (f"{row['tokens_per_s']:,.0f} tok/s, peak {row['peak_gpu_gib']:.1f} GiB, loss {row['losses'][0]} -> "

@@ -59,17 +59,15 @@ env script into /tmp/site).
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import sft  # the SFT benchmark's TRL launch and LoRA settings
-from run_record import (device_name, dstrain_command, log, reuse_or_make_llama, run_logged, run_rows, short_name,
+from run_record import (device_name, log, pick, rate, reuse_or_make_llama, run_dstrain, run_rows, short_name,
                         versions_in_child)
 
 LLAMA32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -159,8 +157,6 @@ def make_pairs(directory: Path, pairs: int, seq_len: int, chars_per_token: float
 def dstrain_row(spec: dict, ctx: dict, args) -> dict:
     name = spec["name"]
     row = {k: spec[k] for k in ("name", "runner", "stage", "lora", "packed")}
-    run_dir = args.work / "runs" / name
-    shutil.rmtree(run_dir, ignore_errors=True)
     micro, accum = ctx["packed_micro"] if spec["packed"] else (TRL_MICRO_PAIRS, args.global_pairs // TRL_MICRO_PAIRS)
     reference = spec.get("reference", "adapters_off" if spec["lora"] else "model")
     sets = [f"model.name=hf:{ctx['model']}", "data.source=jsonl", "data.format=preference",
@@ -168,7 +164,6 @@ def dstrain_row(spec: dict, ctx: dict, args) -> dict:
             f"data.packing={'true' if spec['packed'] else 'false'}", f"data.eval_fraction={EVAL_FRACTION}",
             f"data.cache_dir={args.work / 'dstrain-cache'}", "train.objective=dpo",
             f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}", f"train.max_steps={args.steps}",
-            "train.log_every=1", "train.save_checkpoints=false", "train.eval_every=1000000", "train.eval_batches=1",
             f"train.warmup_steps={WARMUP_LR_STEPS}", "train.schedule=constant",
             f"train.lr={LR_LORA if spec['lora'] else LR_FULL}", "train.weight_decay=0.0", "train.betas=[0.9,0.999]",
             "train.grad_clip=1.0", f"train.seed={args.seed}", "preference.loss=sigmoid", f"preference.beta={BETA}",
@@ -181,23 +176,17 @@ def dstrain_row(spec: dict, ctx: dict, args) -> dict:
     if spec["lora"]:
         sets += [f"model.lora.r={LORA_R}", f"model.lora.alpha={LORA_ALPHA}",
                  f"model.lora.target_modules=[{','.join(LORA_TARGETS)}]"]
-    command = dstrain_command(f"stage{spec['stage']}", 1, args.accelerator, run_dir, sets + (args.dstrain_set or []))
     launched = time.time()
-    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit)
-    row.update({"wall_s": round(wall, 1), "micro_batch": micro, "grad_accum": accum, "reference": reference,
-                "activation_checkpointing": bool(spec.get("ac")), "command": " ".join(command)})
-    metrics_path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-    steps = [r for r in records if "loss" in r and "step_time_ms" in r]
-    if code or not steps:
-        return {**row, "error": f"exit {code}: " + tail[-1500:]}
-    pairs = step_pairs(run_dir, len(steps))
+    result, steps = run_dstrain(name, f"stage{spec['stage']}", sets + (args.dstrain_set or []), args)
+    row.update(result, micro_batch=micro, grad_accum=accum, reference=reference,
+               activation_checkpointing=bool(spec.get("ac")))
+    if "error" in row:
+        return row
+    pairs = step_pairs(args.work / "runs" / name, len(steps))
     timed = [r for r in steps if r["step"] > args.warmup]
     seconds = sum(r["step_time_ms"] for r in timed) / 1000
-    real = sum(r["real_tokens_per_s"] * r["step_time_ms"] / 1000 for r in timed)
-    timed_pairs = sum(pairs[r["step"] - 1] for r in timed)
-    row.update({"pairs_per_s": timed_pairs / seconds, "real_tokens_per_s": real / seconds,
-                "row_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_ms"] / 1000 for r in timed) / seconds,
+    row.update({"pairs_per_s": sum(pairs[r["step"] - 1] for r in timed) / seconds,
+                "real_tokens_per_s": rate(timed, "real_tokens_per_s"), "row_tokens_per_s": rate(timed),
                 "pairs_per_step_mean": statistics.fmean(pairs[r["step"] - 1] for r in timed),
                 "pairs_per_step": pairs, "step_s_median": statistics.median(r["step_time_ms"] for r in timed) / 1000,
                 "timed_steps": len(timed), "peak_gpu_gib": max(r.get("memory_gib", 0.0) for r in steps),
@@ -348,11 +337,7 @@ PEER = {"dstrain-z3-full-packed": "trl-z3-full-nogc", "dstrain-z3-full-unpacked"
 
 
 def plan_rows(args) -> list[dict]:
-    rows = [r for r in ROWS if r["runner"] == "dstrain" or not args.tiny or args.trl_tiny]
-    if args.rows:
-        patterns = [p if any(c in p for c in "*?[") else f"*{p}*" for p in args.rows.split(",")]
-        rows = [r for r in rows if any(fnmatch.fnmatch(r["name"], p) for p in patterns)]
-    return rows
+    return pick([r for r in ROWS if r["runner"] == "dstrain" or not args.tiny or args.trl_tiny], args.rows)
 
 
 def table(rows: list[dict]) -> str:

@@ -5,10 +5,12 @@ benchmarks train. `python3 benchmarks/run_record.py` prints the versions as this
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -125,6 +127,38 @@ def metrics(run_dir: Path) -> list[dict]:
     """The run's metrics.jsonl records (none when the run wrote none)."""
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+# What every fine-tuning benchmark row sets: a record every step, no checkpoint, evaluation only at the end
+ROW_SETS = ["train.log_every=1", "train.save_checkpoints=false", "train.eval_every=1000000", "train.eval_batches=1"]
+
+
+def run_dstrain(name: str, preset: str, sets: list[str], args) -> tuple[dict, list[dict]]:
+    """One row's `dstrain run` on one GPU (run directory WORK/runs/NAME, its output OUT/logs/NAME.log), within
+    args.row_limit seconds: the row's wall time and command (and its error when it trained no step), and the
+    run's per-step records."""
+    run_dir = args.work / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    command = dstrain_command(preset, 1, args.accelerator, run_dir, ROW_SETS + sets)
+    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit)
+    row = {"wall_s": round(wall, 1), "command": " ".join(command)}
+    steps = [r for r in metrics(run_dir) if "loss" in r and "step_time_ms" in r]
+    if code or not steps:
+        row["error"] = f"exit {code}: {tail[-1500:]}"
+    return row, steps
+
+
+def rate(steps: list[dict], key: str = "tokens_per_s") -> float:
+    """A per-second figure over these steps: their total (each step's rate x its time) over their time."""
+    return sum(r[key] * r["step_time_ms"] for r in steps) / sum(r["step_time_ms"] for r in steps)
+
+
+def pick(rows: list[dict], wanted: str | None) -> list[dict]:
+    """The rows whose names match --rows: comma-separated names or globs (a bare word matches inside names)."""
+    if not wanted:
+        return rows
+    patterns = [p if any(c in p for c in "*?[") else f"*{p}*" for p in wanted.split(",")]
+    return [r for r in rows if any(fnmatch.fnmatch(r["name"], p) for p in patterns)]
 
 
 def run_logged(command: list[str], log_path: Path, timeout: float, cwd: Path = REPO) -> tuple[int, float, str]:

@@ -17,7 +17,6 @@ steps after --warmup, peak GPU memory, first and last loss; --out gets sft-<gpu>
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import shutil
 import statistics
@@ -26,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from run_record import (LLAMA_1B, device_name, dstrain_command, install_trl, log, metrics, reuse_or_make_llama,
+from run_record import (LLAMA_1B, device_name, install_trl, log, pick, rate, reuse_or_make_llama, run_dstrain,
                         run_logged, run_rows, short_name, versions_in_child)
 
 SHAPE = dict(LLAMA_1B, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -73,35 +72,26 @@ def make_data(directory: Path, examples: int, chars_per_token: float, tokenizer_
 # ---------------------------------------------------------------- dstrain rows
 
 def dstrain_row(name: str, stage: int, lora: bool, packed: bool, ctx: dict, args) -> dict:
-    row = {"name": name, "runner": "dstrain", "stage": stage, "lora": lora, "packed": packed}
-    run_dir = args.work / "runs" / name
-    shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"model.name=hf:{ctx['model']}", "data.source=jsonl", f"data.paths=[{ctx['data'] / 'alpaca.jsonl'}]",
             "data.format=alpaca", f"data.packing={'true' if packed else 'false'}", f"data.seq_len={args.seq_len}",
             f"data.cache_dir={args.work / 'dstrain-cache'}", f"train.micro_batch_size={args.micro_batch}",
-            f"train.max_steps={args.steps}", "train.log_every=1", "train.save_checkpoints=false",
-            "train.eval_every=1000000", "train.eval_batches=1", "train.warmup_steps=2", f"train.lr={LR}",
-            f"train.seed={args.seed}"]
+            f"train.max_steps={args.steps}", "train.warmup_steps=2", f"train.lr={LR}", f"train.seed={args.seed}"]
     if args.accelerator == "cuda":
         sets.append("train.precision=bf16")
     if lora:
         sets += [f"model.lora.r={LORA_R}", f"model.lora.alpha={LORA_ALPHA}",
                  f"model.lora.target_modules=[{','.join(LORA_TARGETS)}]"]
-    command = dstrain_command(f"stage{stage}", 1, args.accelerator, run_dir, sets)
-    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit)
-    row.update({"wall_s": round(wall, 1), "command": " ".join(command)})
-    steps = [r for r in metrics(run_dir) if "loss" in r and "step_time_ms" in r]
-    if code or not steps:
-        return {**row, "error": f"exit {code}: {tail}"}
+    row, steps = run_dstrain(name, f"stage{stage}", sets, args)
+    row.update(name=name, runner="dstrain", stage=stage, lora=lora, packed=packed)
+    if "error" in row:
+        return row
     timed = [r for r in steps if r["step"] > args.warmup] or steps[-1:]
-    seconds = sum(r["step_time_ms"] for r in timed) / 1000  # log_every 1: one step per record
-    row.update({"real_tokens_per_s": sum(r["real_tokens_per_s"] * r["step_time_ms"] / 1000 for r in timed) / seconds,
+    row.update({"real_tokens_per_s": rate(timed, "real_tokens_per_s"), "row_tokens_per_s": rate(timed),
                 "real_tokens_source": "metrics.jsonl real_tokens_per_s",
-                "row_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_ms"] / 1000 for r in timed) / seconds,
                 "step_s_median": statistics.median(r["step_time_ms"] for r in timed) / 1000,
                 "timed_steps": len(timed), "peak_gpu_gib": max(r.get("memory_gib", 0.0) for r in steps),
                 "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
-                "ds_config": json.loads((run_dir / "ds_config.json").read_text())})
+                "ds_config": json.loads((args.work / "runs" / name / "ds_config.json").read_text())})
     return row
 
 
@@ -235,7 +225,7 @@ def trl_child(spec_path: Path) -> None:
 # ---------------------------------------------------------------- running and reporting
 
 def plan_rows(wanted: str | None) -> list[dict]:
-    """The rows in the order run: per stage and mode, dstrain packed, TRL, dstrain padded; `wanted`: names or globs."""
+    """The rows in the order run: per stage and mode, dstrain packed, TRL, dstrain padded; `wanted`: --rows."""
     rows = []
     for stage in (2, 3):
         for mode in ("full", "lora"):
@@ -244,10 +234,7 @@ def plan_rows(wanted: str | None) -> list[dict]:
                      dict(name=f"dstrain-z{stage}-{mode}-padded", runner="dstrain", packed=False)]
             for row in rows[-3:]:
                 row.update(stage=stage, lora=mode == "lora")
-    if wanted:
-        patterns = [p if any(c in p for c in "*?[") else f"*{p}*" for p in wanted.split(",")]
-        rows = [r for r in rows if any(fnmatch.fnmatch(r["name"], p) for p in patterns)]
-    return rows
+    return pick(rows, wanted)
 
 
 def table(rows: list[dict]) -> str:
