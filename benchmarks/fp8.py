@@ -27,23 +27,20 @@ per token (6 x parameters + attention).
 Reported per row: tokens/s and MFU over the steps after --warmup (their total tokens over their time), peak GPU
 memory (torch.cuda.max_memory_allocated), the time to the first step (compile included), every step's loss, and
 for each fp8 row its loss against bf16's: the mean relative difference over the steps and over the last 10. --out
-(default $OUT, else benchmarks/results/<date>-<gpu>-fp8/) gets fp8-<gpu>.json (date, device, versions,
+(default $OUT, else WORK/out) gets fp8-<gpu>.json (date, device, versions,
 settings, rows) and each row's log.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from run_record import (REPO, device_name, install_wheels, log, pick, rate, reuse_or_make_llama, run_dstrain, run_rows,
+from run_record import (bench_args, bench_parser, device_name, install_wheels, log, pick, rate, reuse_or_make_llama, run_dstrain, run_rows,
                         short_name, versions_in_child)
 
 LLAMA3_8B_LAYER = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -138,37 +135,21 @@ def plot(result: Path, image: Path) -> None:
     print(f"written to {image}")
 
 
+# (full, --tiny) defaults; micro batch 2: the 2.88B model, its optimizer and activations fit an H100's 80 GB
+DEFAULTS = {"layers": (12, 4), "steps": (100, 4), "warmup": (10, 1), "seq_len": (2048, 128), "micro_batch": (2, 2),
+            "row_timeout": (570.0, 570.0), "budget": (570.0, 570.0)}
+
+
 def main() -> None:
     if sys.argv[1:2] == ["plot"]:  # python3 benchmarks/fp8.py plot RESULT.json OUT.png
         plot(Path(sys.argv[2]), Path(sys.argv[3]))
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-                        help="where the JSON and the logs go (default $OUT, else benchmarks/results/DATE-GPU-fp8)")
-    parser.add_argument("--work", type=Path, default=None, help="model and runs; reused (default /tmp/dstrain-fp8)")
-    parser.add_argument("--rows", default=None, help="comma-separated row names or globs (default all three)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny Llama on CPU ranks: the fp8 rows are refused")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 12; tiny 4)")
+    parser = bench_parser(__doc__, DEFAULTS)
     parser.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (preset stage2/stage3)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps a row (default 100; tiny 4)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 10; tiny 1)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 2048; tiny 128")
-    parser.add_argument("--micro-batch", type=int, default=None, help="sequences a step (default 2: the 2.88B model, its optimizer and activations fit an H100's 80 GB)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--budget", type=float, default=570, help="seconds for the whole command (default 570)")
-    parser.add_argument("--row-timeout", type=float, default=570, help="seconds a row may take (default 570)")
-    args = parser.parse_args()
+    args = bench_args(parser, DEFAULTS, "fp8")
     tiny = args.tiny
-    args.accelerator = "cpu" if tiny else "cuda"
-    for key, full, small in (("layers", 12, 4), ("steps", 100, 4), ("warmup", 10, 1), ("seq_len", 2048, 128),
-                             ("micro_batch", 2, 2)):
-        if getattr(args, key) is None:
-            setattr(args, key, small if tiny else full)
     device = device_name(not tiny)
     gpu = short_name(device)
-    args.work = args.work or Path(tempfile.gettempdir()) / ("dstrain-fp8-tiny" if tiny else "dstrain-fp8")
-    args.out = args.out or REPO / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d', time.gmtime())}-{gpu}-fp8"
-    args.out.mkdir(parents=True, exist_ok=True)
     log(f"work {args.work}; out {args.out}; torchao: {install_wheels('torchao-*.whl', ('torchao',))}")
     model_dir = args.work / "model"
     facts = reuse_or_make_llama(model_dir, dict(LLAMA_TINY if tiny else LLAMA3_8B_LAYER, num_hidden_layers=args.layers),

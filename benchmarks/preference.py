@@ -58,16 +58,13 @@ env script into /tmp/site).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import sft  # the SFT benchmark's TRL launch and LoRA settings
-from run_record import (device_name, log, pick, rate, reuse_or_make_llama, run_dstrain, run_rows, short_name,
+from run_record import (bench_args, bench_parser, device_name, log, pick, rate, reuse_or_make_llama, run_dstrain, run_rows, short_name,
                         versions_in_child)
 
 LLAMA32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -381,43 +378,21 @@ def curves(rows: list[dict], first: int = 30) -> str:
     return "\n".join(out)
 
 
+DEFAULTS = {"steps": (24, 3), "warmup": (4, 1), "seq_len": (2048, 256), "global_pairs": (16, 8),
+            "pairs": (4000, 200), "row_timeout": (150.0, 900.0), "budget": (560.0, 3600.0)}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="bench", choices=["bench", "trl-child"])
-    parser.add_argument("--spec", type=Path, help="trl-child: its spec file")
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
-    parser.add_argument("--work", type=Path, default=None, help="default /tmp/dstrain-pref[-tiny]")
-    parser.add_argument("--rows", default=None, help="comma-separated row names or globs")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny Llama, short pairs, few steps")
+    parser = bench_parser(__doc__, DEFAULTS)
     parser.add_argument("--trl-tiny", action="store_true", help="with --tiny: the TRL rows too")
-    parser.add_argument("--accelerator", choices=("cuda", "cpu"), default=None)
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps a row (default 24; tiny 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 4; tiny 1)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 2048; tiny 256")
-    parser.add_argument("--global-pairs", type=int, default=None, help="pairs a step (default 16; tiny 8)")
-    parser.add_argument("--pairs", type=int, default=None, help="pairs in the data (default 4000; tiny 200)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--row-timeout", type=float, default=None, help="seconds a row may take (default 150)")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole command; rows that would start later are skipped (default 560)")
     parser.add_argument("--dstrain-set", action="append", help="extra --set for the dstrain rows")
-    args = parser.parse_args()
+    args = bench_args(parser, DEFAULTS, "pref")
     if args.command == "trl-child":
         trl_child(args.spec)
         return
-
+    if args.global_pairs % TRL_MICRO_PAIRS:
+        parser.error(f"--global-pairs must be a multiple of {TRL_MICRO_PAIRS}")
     tiny = args.tiny
-    args.accelerator = args.accelerator or ("cpu" if tiny else "cuda")
-    for key, full, small in (("steps", 24, 3), ("warmup", 4, 1), ("seq_len", 2048, 256), ("global_pairs", 16, 8),
-                             ("pairs", 4000, 200), ("row_timeout", 150, 900), ("budget", 560, 3600)):
-        if getattr(args, key) is None:
-            setattr(args, key, small if tiny else full)
-    if args.warmup >= args.steps or args.global_pairs % TRL_MICRO_PAIRS:
-        parser.error(f"--warmup must be below --steps, --global-pairs a multiple of {TRL_MICRO_PAIRS}")
-    args.work = args.work or Path(tempfile.gettempdir()) / ("dstrain-pref-tiny" if tiny else "dstrain-pref")
-    args.out = args.out or args.work / "out"
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.work.mkdir(parents=True, exist_ok=True)
     log(f"work {args.work}; out {args.out}")
 
     model_dir, data_dir = args.work / "model", args.work / "data"

@@ -5,6 +5,7 @@ benchmarks train. `python3 benchmarks/run_record.py` prints the versions as this
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import json
 import os
@@ -13,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,6 +81,42 @@ def write_json(path: Path, settings: dict, rows: list[dict], quiet: bool = False
         indent=2) + "\n")
     if not quiet:
         print(f"written to {path}")
+
+
+def bench_parser(doc: str, defaults: dict[str, tuple]) -> argparse.ArgumentParser:
+    """The arguments sft.py, preference.py and fp8.py share; `defaults` maps each numeric one to (its default,
+    its --tiny default), for bench_args to fill in."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", default="bench", choices=["bench", "trl-child"])
+    parser.add_argument("--spec", type=Path, help="trl-child: its spec file")
+    parser.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="the JSON and the logs (default $OUT, "
+                        "else WORK/out)")
+    parser.add_argument("--work", type=Path, default=None, help="model, data and runs, reused (default a temp folder)")
+    parser.add_argument("--rows", default=None, help="comma-separated row names or globs, e.g. 'z3-*'")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny Llama, short rows, few steps")
+    parser.add_argument("--accelerator", choices=("cuda", "cpu"), default=None, help="default cuda; --tiny cpu")
+    parser.add_argument("--seed", type=int, default=1234)
+    for key, (full, tiny) in defaults.items():
+        parser.add_argument("--" + key.replace("_", "-"), type=type(full), default=None,
+                            help=f"default {full}; --tiny {tiny}")
+    return parser
+
+
+def bench_args(parser: argparse.ArgumentParser, defaults: dict[str, tuple], name: str) -> argparse.Namespace:
+    """bench_parser's arguments with the defaults filled in and the output folder made."""
+    args = parser.parse_args()
+    if args.command != "bench":
+        return args
+    for key, (full, tiny) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if args.tiny else full)
+    if args.warmup >= args.steps:
+        parser.error("--warmup must be below --steps")
+    args.accelerator = args.accelerator or ("cpu" if args.tiny else "cuda")
+    args.work = Path(args.work or Path(tempfile.gettempdir()) / (f"dstrain-{name}" + ("-tiny" if args.tiny else "")))
+    args.out = Path(args.out or args.work / "out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
 
 
 def run_rows(planned: list[dict], run_one, describe, doc: dict, out_file: Path, args, order=None, after=None):

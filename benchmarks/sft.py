@@ -16,16 +16,14 @@ steps after --warmup, peak GPU memory, first and last loss; --out gets sft-<gpu>
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from run_record import (LLAMA_1B, device_name, install_trl, log, pick, rate, reuse_or_make_llama, run_dstrain,
+from run_record import (LLAMA_1B, bench_args, bench_parser, device_name, install_trl, log, pick, rate, reuse_or_make_llama, run_dstrain,
                         run_logged, run_rows, short_name, versions_in_child)
 
 SHAPE = dict(LLAMA_1B, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -260,40 +258,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+DEFAULTS = {"steps": (16, 3), "warmup": (4, 1), "seq_len": (4096, 512), "micro_batch": (4, 2),
+            "examples": (6000, 400), "row_timeout": (300.0, 900.0), "budget": (1320.0, 3600.0)}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="bench", choices=["bench", "trl-child"])
-    parser.add_argument("--spec", type=Path, help="trl-child: its spec file")
-    parser.add_argument("--out", type=Path, default=None, help="the JSON and the logs (default WORK/out)")
-    parser.add_argument("--work", type=Path, default=None,
-                        help="model, data and run folders; reused when there (default /tmp/dstrain-sft[-tiny])")
-    parser.add_argument("--rows", default=None, help="comma-separated row names or globs, e.g. 'z2-full-*,trl-z3-*'")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny Llama, seq_len 512, 3 steps")
-    parser.add_argument("--accelerator", choices=("cuda", "cpu"), default=None)
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps a row (default 16; tiny 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 4; tiny 1)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 4096; tiny 512")
-    parser.add_argument("--micro-batch", type=int, default=None, help="rows a step (default 4; tiny 2)")
-    parser.add_argument("--examples", type=int, default=None, help="instruction examples (default 6000; tiny 400)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--row-timeout", type=float, default=None, help="seconds a row may take (default 300)")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole command; rows that would start later are skipped (default 1320)")
-    args = parser.parse_args()
+    args = bench_args(bench_parser(__doc__, DEFAULTS), DEFAULTS, "sft")
     if args.command == "trl-child":
         trl_child(args.spec)
         return
     tiny = args.tiny
-    args.accelerator = args.accelerator or ("cpu" if tiny else "cuda")
-    for key, full, small in (("steps", 16, 3), ("warmup", 4, 1), ("seq_len", 4096, 512), ("micro_batch", 4, 2),
-                             ("examples", 6000, 400), ("row_timeout", 300, 900), ("budget", 1320, 3600)):
-        if getattr(args, key) is None:
-            setattr(args, key, small if tiny else full)
-    if args.warmup >= args.steps:
-        parser.error("--warmup must be below --steps")
-    args.work = args.work or Path(tempfile.gettempdir()) / ("dstrain-sft-tiny" if tiny else "dstrain-sft")
-    args.out = args.out or args.work / "out"
-    args.out.mkdir(parents=True, exist_ok=True)
     log(f"work {args.work}; out {args.out}" + (f"; TRL: {install_trl()}" if args.accelerator == "cuda" else ""))
 
     model_dir, data_dir = args.work / "model", args.work / "data"
