@@ -27,29 +27,21 @@ per token (6 x parameters + attention).
 Reported per row: tokens/s and MFU over the steps after --warmup (their total tokens over their time), peak GPU
 memory (torch.cuda.max_memory_allocated), the time to the first step (compile included), every step's loss, and
 for each fp8 row its loss against bf16's: the mean relative difference over the steps and over the last 10. --out
-(default $OUT, else benchmarks/results/<date>-<gpu>-fp8/) gets fp8-<gpu>.json (date, device, versions,
+(default $OUT, else WORK/out) gets fp8-<gpu>.json (date, device, versions,
 settings, rows) and each row's log.
 """
 
 from __future__ import annotations
 
-import argparse
-import fnmatch
 import json
-import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import sft  # noqa: E402 - the SFT benchmark's helpers: tokenizer, process runner, versions
-from sft import DSTRAIN_ROOT, REPO, log, run_logged  # noqa: E402
+from run_record import (bench_args, bench_parser, device_name, install_wheels, log, pick, rate, reuse_or_make_llama, run_dstrain, run_rows,
+                        short_name, versions_in_child)
 
 LLAMA3_8B_LAYER = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128, vocab_size=32000, max_position_embeddings=8192, tie_word_embeddings=False,
@@ -61,71 +53,21 @@ ROWS = (("bf16", ["train.precision=bf16"]),
         ("fp8-rowwise", ["train.precision=fp8", "train.fp8_recipe=rowwise"]))
 
 
-def ensure_torchao() -> str:
-    """torchao from the carried wheel (.whl/torchao-*.whl) into /tmp/site when it is not importable."""
-    import importlib.util
-    if importlib.util.find_spec("torchao") is not None:
-        return "importable"
-    wheels = sorted((REPO / ".whl").glob("torchao-*.whl"))
-    if not wheels:
-        return "not installed and no .whl/torchao-*.whl: the fp8 rows will be refused"
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--target", "/tmp/site", str(wheels[-1])], capture_output=True, text=True)
-    if "/tmp/site" not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in ("/tmp/site", os.environ.get("PYTHONPATH")) if p)
-    return f"installed {wheels[-1].name}" if done.returncode == 0 else f"FAILED: {done.stderr[-300:]}"
-
-
-def make_model(directory: Path, shape: dict, layers: int) -> dict:
-    """Model folder (random weights, bf16 safetensors) + tokenizer + the corpus as one text file."""
-    import torch
-    from make_instruction_data import corpus_text
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    directory.mkdir(parents=True, exist_ok=True)
-    text = corpus_text()
-    (directory / "corpus.txt").write_text(text)
-    chars_per_token = sft.build_tokenizer(directory, shape["vocab_size"], text[:6_000_000 if layers > 4 else 1_000_000])
-    torch.manual_seed(0)
-    config = LlamaConfig(**shape, num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, pad_token_id=3)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # fast random init of billions of weights
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(directory, max_shard_size="2GB")
-    facts = {"params": sum(p.numel() for p in model.parameters()), "shape": shape, "layers": layers,
-             "chars_per_token": chars_per_token, "corpus_chars": len(text)}
-    del model
-    torch.cuda.empty_cache()  # this process's allocator must not keep the weights' memory from the rows
-    (directory / "bench_facts.json").write_text(json.dumps(facts, indent=2))
-    return facts
-
-
 def dstrain_row(name: str, sets: list[str], ctx: dict, args) -> dict:
     row = {"name": name, "stage": args.stage, "sets": sets}
-    run_dir = args.work / "runs" / name
-    shutil.rmtree(run_dir, ignore_errors=True)
     all_sets = [f"model.name=hf:{ctx['model']}", "data.source=text", f"data.paths=[{ctx['model'] / 'corpus.txt'}]",
                 f"data.seq_len={args.seq_len}", f"data.cache_dir={args.work / 'dstrain-cache'}",
-                f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}", "train.log_every=1",
-                "train.save_checkpoints=false", "train.eval_every=1000000", "train.eval_batches=1",
+                f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}",
                 f"train.warmup_steps={min(20, args.steps // 5)}", "train.lr=3e-4", f"train.seed={args.seed}", *sets]
-    command = [sys.executable, "-m", "dstrain.cli", "run", "--preset", f"stage{args.stage}", "--gpus", "1",
-               "--accelerator", args.accelerator, "--run-dir", str(run_dir)]
-    for item in all_sets:
-        command += ["--set", item]
     started = time.time()
-    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit, cwd=DSTRAIN_ROOT)
-    row.update({"wall_s": round(wall, 1), "command": " ".join(command)})
-    metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    steps = [r for r in records if "loss" in r and "step_time_ms" in r]
-    if code or not steps:
-        return {**row, "error": f"exit {code}: {tail}"}
+    result, steps = run_dstrain(name, f"stage{args.stage}", all_sets, args)
+    row.update(result)
+    if "error" in row:
+        return row
     timed = [r for r in steps if r["step"] > args.warmup] or steps[-1:]
-    seconds = sum(r["step_time_ms"] for r in timed) / 1000
-    tokens = sum(r["tokens_per_s"] * r["step_time_ms"] / 1000 for r in timed)
     log_text = (args.out / "logs" / f"{name}.log").read_text(errors="replace")
     converted = re.search(r"^fp8: .*$", log_text, re.M)
-    row.update({"tokens_per_s": tokens / seconds,
+    row.update({"tokens_per_s": rate(timed),
                 "mfu": statistics.fmean(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
                 "step_s_median": statistics.median(r["step_time_ms"] for r in timed) / 1000,
                 "timed_steps": len(timed), "peak_gpu_gib": max(r.get("memory_gib", 0.0) for r in steps),
@@ -193,84 +135,40 @@ def plot(result: Path, image: Path) -> None:
     print(f"written to {image}")
 
 
+# (full, --tiny) defaults; micro batch 2: the 2.88B model, its optimizer and activations fit an H100's 80 GB
+DEFAULTS = {"layers": (12, 4), "steps": (100, 4), "warmup": (10, 1), "seq_len": (2048, 128), "micro_batch": (2, 2),
+            "row_timeout": (570.0, 570.0), "budget": (570.0, 570.0)}
+
+
 def main() -> None:
     if sys.argv[1:2] == ["plot"]:  # python3 benchmarks/fp8.py plot RESULT.json OUT.png
         plot(Path(sys.argv[2]), Path(sys.argv[3]))
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-                        help="where the JSON and the logs go (default $OUT, else benchmarks/results/DATE-GPU-fp8)")
-    parser.add_argument("--work", type=Path, default=None, help="model and runs; reused (default /tmp/dstrain-fp8)")
-    parser.add_argument("--rows", default=None, help="comma-separated row names or globs (default all three)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny Llama on CPU ranks: the fp8 rows are refused")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 12; tiny 4)")
+    parser = bench_parser(__doc__, DEFAULTS)
     parser.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (preset stage2/stage3)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps a row (default 100; tiny 4)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 10; tiny 1)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 2048; tiny 128")
-    parser.add_argument("--micro-batch", type=int, default=None, help="sequences a step (default 2: the 2.88B model, its optimizer and activations fit an H100's 80 GB)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--budget", type=float, default=570, help="seconds for the whole command (default 570)")
-    args = parser.parse_args()
+    args = bench_args(parser, DEFAULTS, "fp8")
     tiny = args.tiny
-    args.accelerator = "cpu" if tiny else "cuda"
-    for key, full, small in (("layers", 12, 4), ("steps", 100, 4), ("warmup", 10, 1), ("seq_len", 2048, 128),
-                             ("micro_batch", 2, 2)):
-        if getattr(args, key) is None:
-            setattr(args, key, small if tiny else full)
-    import torch
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not tiny else "cpu"
-    short = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device)  # "NVIDIA H100 80GB HBM3" -> h100
-    gpu = short.group(1).lower() if short else "cpu"
-    args.work = args.work or Path(tempfile.gettempdir()) / ("dstrain-fp8-tiny" if tiny else "dstrain-fp8")
-    args.out = args.out or REPO / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d', time.gmtime())}-{gpu}-fp8"
-    for folder in (args.out, args.work):
-        folder.mkdir(parents=True, exist_ok=True)
-    log(f"dstrain from {DSTRAIN_ROOT}; work {args.work}; out {args.out}; torchao: {ensure_torchao()}")
-
-    shape = LLAMA_TINY if tiny else LLAMA3_8B_LAYER
+    device = device_name(not tiny)
+    gpu = short_name(device)
+    log(f"work {args.work}; out {args.out}; torchao: {install_wheels('torchao-*.whl', ('torchao',))}")
     model_dir = args.work / "model"
-    facts_file = model_dir / "bench_facts.json"
-    facts = json.loads(facts_file.read_text()) if facts_file.exists() else None
-    if facts is None or facts["shape"] != shape or facts["layers"] != args.layers:
-        log("building the tokenizer and the model (random weights, bf16 safetensors)")
-        facts = make_model(model_dir, shape, args.layers)
-    log(f"model: {facts['params'] / 1e9:.3f}B parameters, {facts['layers']} layers")
-
-    out_file = args.out / f"fp8-{gpu}.json"
-    patterns = (args.rows or "*").split(",")
-    planned = [(name, sets) for name, sets in ROWS if any(fnmatch.fnmatch(name, p) for p in patterns)]
+    facts = reuse_or_make_llama(model_dir, dict(LLAMA_TINY if tiny else LLAMA3_8B_LAYER, num_hidden_layers=args.layers),
+                                tokenizer_vocab=(LLAMA_TINY if tiny else LLAMA3_8B_LAYER)["vocab_size"],
+                                text_chars=6_000_000 if args.layers > 4 else 1_000_000)
+    if not (model_dir / "corpus.txt").exists():  # the rows' data: dstrain's corpus as one text file
+        from make_instruction_data import corpus_text
+        (model_dir / "corpus.txt").write_text(corpus_text())
     doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
-           "versions": {**json.loads(subprocess.run([sys.executable, str(HERE / "sft.py"), "versions"],
-                                                    capture_output=True, text=True).stdout.strip().splitlines()[-1]),
-                        "torchao": _version("torchao")},
-           "model": facts, "settings": {k: str(v) for k, v in vars(args).items()}, "rows": []}
-    log(f"versions: {json.dumps(doc['versions'])}")
-    for name, sets in planned:
-        left = args.budget - (time.time() - sft.T0)
-        if left < 60:
-            doc["rows"].append({"name": name, "error": f"skipped: the {args.budget:.0f}s budget (--budget) was spent"})
-            continue
-        args.row_limit = left
-        log(f"row {name}: start (at most {left:.0f}s)")
-        try:
-            row = dstrain_row(name, sets, {"model": model_dir}, args)
-        except Exception as err:  # noqa: BLE001 - one broken row must not lose the others
-            row = {"name": name, "error": f"{type(err).__name__}: {err}"}
-        doc["rows"].append(row)
-        compare_losses(doc["rows"])
-        out_file.write_text(json.dumps(doc, indent=2) + "\n")  # after every row: a cut-off call keeps the rest
-        log(f"row {name}: " + (f"FAILED: {row['error'][-600:]}" if "error" in row else
-                               f"{row['tokens_per_s']:,.0f} tok/s, peak {row['peak_gpu_gib']:.1f} GiB, "
-                               f"loss {row['losses'][0]} -> {row['losses'][-1]}, {row['wall_s']}s; {row['converted']}"))
+           "versions": versions_in_child(), "model": facts, "settings": {k: str(v) for k, v in vars(args).items()},
+           "rows": []}
+    planned = pick([{"name": name, "sets": sets} for name, sets in ROWS], args.rows)
+
+    def describe(row: dict) -> str:
+        return (f"{row['tokens_per_s']:,.0f} tok/s, peak {row['peak_gpu_gib']:.1f} GiB, loss {row['losses'][0]} -> "
+                f"{row['losses'][-1]}, {row['wall_s']}s; {row['converted']}")
+    run_rows(planned, lambda spec: dstrain_row(spec["name"], spec["sets"], {"model": model_dir}, args), describe, doc,
+             args.out / f"fp8-{gpu}.json", args, after=compare_losses)
     print("\n" + table(doc["rows"]), flush=True)
-    log(f"written to {out_file}")
-
-
-def _version(package: str) -> str | None:
-    done = subprocess.run([sys.executable, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
-                          capture_output=True, text=True)
-    return done.stdout.strip() or None
 
 
 if __name__ == "__main__":

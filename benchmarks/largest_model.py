@@ -42,7 +42,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-import suite  # noqa: E402  (the suite's device, version and process helpers)
+import suite  # noqa: E402  (the suite's device and process helpers)
+from run_record import dstrain_command, metrics, versions  # noqa: E402
 
 GiB = 2**30
 OOM_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "out of memory", "Cannot allocate memory")
@@ -94,37 +95,23 @@ def trial(args, preset: str, n_layer: int, work: Path) -> dict:
     if preset == "stage3_nvme":
         shutil.rmtree(args.nvme_path, ignore_errors=True)
         Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "dstrain.cli", "run", "--preset", preset, "--gpus", "1", "--accelerator",
-           args.accelerator, "--run-dir", str(run_dir)] + [a for s in shape_sets(args, preset, n_layer) for a in ("--set", s)]
+    cmd = dstrain_command(preset, 1, args.accelerator, run_dir, shape_sets(args, preset, n_layer))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log_path = work / f"{preset}-L{n_layer}.log"
     t0 = time.time()
     host_low = False
+
+    def host_low_now() -> bool:  # the trial is killed before the kernel's OOM killer picks a victim
+        nonlocal host_low
+        host_low = host_low or psutil.virtual_memory().available < args.host_reserve_gib * GiB
+        return host_low
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        suite._RUNNING[:] = [process.pid]
-        deadline = time.monotonic() + args.trial_timeout
-        while True:
-            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-            if pid:
-                code = os.waitstatus_to_exitcode(status)
-                break
-            if psutil.virtual_memory().available < args.host_reserve_gib * GiB:
-                host_low = True
-            if host_low or time.monotonic() > deadline:
-                suite._kill_tree(process.pid)
-                _, status, usage = os.wait4(process.pid, 0)
-                code = None
-                break
-            time.sleep(0.25)
-        suite._RUNNING.clear()
+        code, rss, _ = suite._rss_and_wait(process, args.trial_timeout, host_low_now)
     wall = time.time() - t0
     text = log_path.read_text(errors="replace")
-    records = []
-    if (run_dir / "metrics.jsonl").exists():
-        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [r for r in records if "tokens_per_s" in r]
+    steps = [r for r in metrics(run_dir) if "tokens_per_s" in r]
     trained = code == 0 and steps and steps[-1]["step"] == args.trial_steps
     if trained:
         outcome = "ok"
@@ -137,7 +124,7 @@ def trial(args, preset: str, n_layer: int, work: Path) -> dict:
     else:
         outcome = f"failed (exit {code})"
     result = {"n_layer": n_layer, "outcome": outcome, "wall_s": round(wall, 1),
-              "host_rss_gib": round(usage.ru_maxrss / 2**20, 2),
+              "host_rss_gib": round(rss, 2),
               "peak_gpu_gib": round(steps[-1]["memory_gib"], 2) if steps and steps[-1].get("memory_gib") else None,
               # the last step's time (the first includes warm-up): tokens per step / its tokens/s
               "step_s": round(args.seq_len / steps[-1]["tokens_per_s"], 2) if steps and steps[-1]["tokens_per_s"] else None}
@@ -227,7 +214,7 @@ def main(argv: list[str]) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="dstrain-largest-"))
     work.mkdir(parents=True, exist_ok=True)
     out_path = args.out / f"{datetime.date.today().isoformat()}-{short}-largest.json"
-    doc = {"device": device, "versions": suite._versions(),
+    doc = {"device": device, "versions": versions(),
            "host_ram_gib": round(hardware.cpu_mem_bytes / GiB, 1), "gpu_mem_gib": round(hardware.gpu_mem_bytes / GiB, 1),
            "nvme_free_gib": round(hardware.nvme_free_bytes / GiB, 1), "cpu_cores": os.cpu_count(),
            "family": {"d_model": args.d_model, "n_head": args.n_head, "vocab_size": args.vocab_size,

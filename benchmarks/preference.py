@@ -58,23 +58,14 @@ env script into /tmp/site).
 
 from __future__ import annotations
 
-import argparse
-import fnmatch
 import json
-import os
-import platform
-import re
-import shutil
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import sft  # noqa: E402 - the SFT benchmark's helpers: tokenizer, process runner, DeepSpeed JSON, versions
-from sft import DSTRAIN_ROOT, log, run_logged  # noqa: E402
+import sft  # the SFT benchmark's TRL launch and LoRA settings
+from run_record import (bench_args, bench_parser, device_name, log, pick, rate, reuse_or_make_llama, run_dstrain, run_rows, short_name,
+                        versions_in_child)
 
 LLAMA32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=8192,
@@ -94,27 +85,6 @@ TRL_MICRO_PAIRS = 4
 
 
 # ---------------------------------------------------------------- setup: model, data
-
-def make_model(directory: Path, tiny: bool) -> dict:
-    import torch
-    from make_instruction_data import corpus_text
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    shape = LLAMA_TINY if tiny else LLAMA32_1B
-    directory.mkdir(parents=True, exist_ok=True)
-    text = corpus_text()
-    vocab = shape["vocab_size"] if tiny else TOKENIZER_VOCAB
-    chars_per_token = sft.build_tokenizer(directory, vocab, text[: (1 if tiny else 6) * 1_000_000])
-    torch.manual_seed(0)
-    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(directory, max_shard_size="1GB")
-    facts = {"params": sum(p.numel() for p in model.parameters()), "shape": shape, "tokenizer_vocab": vocab,
-             "chars_per_token": chars_per_token,
-             "as": "tiny Llama" if tiny else "Llama-3.2-1B's shape (no rope scaling), random weights"}
-    (directory / "bench_facts.json").write_text(json.dumps(facts, indent=2))
-    return facts
-
 
 def make_pairs(directory: Path, pairs: int, seq_len: int, chars_per_token: float, tokenizer_dir: Path,
                seed: int = 0, scale: float = 1.0) -> dict:
@@ -184,8 +154,6 @@ def make_pairs(directory: Path, pairs: int, seq_len: int, chars_per_token: float
 def dstrain_row(spec: dict, ctx: dict, args) -> dict:
     name = spec["name"]
     row = {k: spec[k] for k in ("name", "runner", "stage", "lora", "packed")}
-    run_dir = args.work / "runs" / name
-    shutil.rmtree(run_dir, ignore_errors=True)
     micro, accum = ctx["packed_micro"] if spec["packed"] else (TRL_MICRO_PAIRS, args.global_pairs // TRL_MICRO_PAIRS)
     reference = spec.get("reference", "adapters_off" if spec["lora"] else "model")
     sets = [f"model.name=hf:{ctx['model']}", "data.source=jsonl", "data.format=preference",
@@ -193,7 +161,6 @@ def dstrain_row(spec: dict, ctx: dict, args) -> dict:
             f"data.packing={'true' if spec['packed'] else 'false'}", f"data.eval_fraction={EVAL_FRACTION}",
             f"data.cache_dir={args.work / 'dstrain-cache'}", "train.objective=dpo",
             f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}", f"train.max_steps={args.steps}",
-            "train.log_every=1", "train.save_checkpoints=false", "train.eval_every=1000000", "train.eval_batches=1",
             f"train.warmup_steps={WARMUP_LR_STEPS}", "train.schedule=constant",
             f"train.lr={LR_LORA if spec['lora'] else LR_FULL}", "train.weight_decay=0.0", "train.betas=[0.9,0.999]",
             "train.grad_clip=1.0", f"train.seed={args.seed}", "preference.loss=sigmoid", f"preference.beta={BETA}",
@@ -206,26 +173,17 @@ def dstrain_row(spec: dict, ctx: dict, args) -> dict:
     if spec["lora"]:
         sets += [f"model.lora.r={LORA_R}", f"model.lora.alpha={LORA_ALPHA}",
                  f"model.lora.target_modules=[{','.join(LORA_TARGETS)}]"]
-    command = [sys.executable, "-m", "dstrain.cli", "run", "--preset", f"stage{spec['stage']}", "--gpus", "1",
-               "--accelerator", args.accelerator, "--run-dir", str(run_dir)]
-    for item in sets + (args.dstrain_set or []):
-        command += ["--set", item]
     launched = time.time()
-    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit, cwd=DSTRAIN_ROOT)
-    row.update({"wall_s": round(wall, 1), "micro_batch": micro, "grad_accum": accum, "reference": reference,
-                "activation_checkpointing": bool(spec.get("ac")), "command": " ".join(command)})
-    metrics_path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-    steps = [r for r in records if "loss" in r and "step_time_ms" in r]
-    if code or not steps:
-        return {**row, "error": f"exit {code}: " + tail[-1500:]}
-    pairs = step_pairs(run_dir, len(steps))
+    result, steps = run_dstrain(name, f"stage{spec['stage']}", sets + (args.dstrain_set or []), args)
+    row.update(result, micro_batch=micro, grad_accum=accum, reference=reference,
+               activation_checkpointing=bool(spec.get("ac")))
+    if "error" in row:
+        return row
+    pairs = step_pairs(args.work / "runs" / name, len(steps))
     timed = [r for r in steps if r["step"] > args.warmup]
     seconds = sum(r["step_time_ms"] for r in timed) / 1000
-    real = sum(r["real_tokens_per_s"] * r["step_time_ms"] / 1000 for r in timed)
-    timed_pairs = sum(pairs[r["step"] - 1] for r in timed)
-    row.update({"pairs_per_s": timed_pairs / seconds, "real_tokens_per_s": real / seconds,
-                "row_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_ms"] / 1000 for r in timed) / seconds,
+    row.update({"pairs_per_s": sum(pairs[r["step"] - 1] for r in timed) / seconds,
+                "real_tokens_per_s": rate(timed, "real_tokens_per_s"), "row_tokens_per_s": rate(timed),
                 "pairs_per_step_mean": statistics.fmean(pairs[r["step"] - 1] for r in timed),
                 "pairs_per_step": pairs, "step_s_median": statistics.median(r["step_time_ms"] for r in timed) / 1000,
                 "timed_steps": len(timed), "peak_gpu_gib": max(r.get("memory_gib", 0.0) for r in steps),
@@ -255,36 +213,13 @@ def step_pairs(run_dir: Path, steps: int) -> list[int]:
 # ---------------------------------------------------------------- TRL rows
 
 def trl_row(spec: dict, ctx: dict, args) -> dict:
-    name = spec["name"]
-    row = {k: spec[k] for k in ("name", "runner", "stage", "lora", "packed")}
-    where = args.work / "runs" / name
-    shutil.rmtree(where, ignore_errors=True)
-    where.mkdir(parents=True)
     child = {"model": str(ctx["model"]), "data": str(ctx["data"] / "pairs.jsonl"), "lora": spec["lora"],
-             "gc": spec["gc"], "seq_len": args.seq_len, "micro": TRL_MICRO_PAIRS,
-             "accum": args.global_pairs // TRL_MICRO_PAIRS, "steps": args.steps, "warmup": args.warmup,
-             "seed": args.seed, "lr": LR_LORA if spec["lora"] else LR_FULL, "output_dir": str(where / "out"),
-             "result": str(where / "result.json"), "cuda": args.accelerator == "cuda", "launched": time.time()}
-    (where / "spec.json").write_text(json.dumps(child))
-    (where / "ds_config.json").write_text(json.dumps(sft.trl_ds_config(spec["stage"]), indent=2))
-    accelerate_config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED",
-                         "deepspeed_config": {"deepspeed_config_file": str(where / "ds_config.json"),
-                                              "zero3_init_flag": spec["stage"] == 3},
-                         "machine_rank": 0, "main_training_function": "main", "num_machines": 1, "num_processes": 1,
-                         "rdzv_backend": "static", "same_network": True, "use_cpu": args.accelerator == "cpu"}
-    (where / "accelerate.yaml").write_text(json.dumps(accelerate_config, indent=2))  # JSON is YAML
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(where / "accelerate.yaml"),
-               str(Path(__file__).resolve()), "trl-child", "--spec", str(where / "spec.json")]
-    code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit, cwd=HERE.parent)
-    row.update({"wall_s": round(wall, 1), "deepspeed": True, "gradient_checkpointing_asked": spec["gc"],
-                "micro_batch": TRL_MICRO_PAIRS, "grad_accum": args.global_pairs // TRL_MICRO_PAIRS,
-                "command": " ".join(command), "ds_config": sft.trl_ds_config(spec["stage"])})
-    result = where / "result.json"
-    if code or not result.exists():
-        return {**row, "error": f"exit {code}: {tail[-1500:]}"}
-    row.update(json.loads(result.read_text()))
-    return row
-
+             "gc": spec["gc"], "micro": TRL_MICRO_PAIRS, "accum": args.global_pairs // TRL_MICRO_PAIRS,
+             "lr": LR_LORA if spec["lora"] else LR_FULL, "launched": time.time()}
+    return {**{k: spec[k] for k in ("name", "runner", "stage", "lora", "packed")}, "deepspeed": True,
+            "gradient_checkpointing_asked": spec["gc"], "micro_batch": TRL_MICRO_PAIRS,
+            "grad_accum": args.global_pairs // TRL_MICRO_PAIRS,
+            **sft.launch_trl(spec["name"], spec["stage"], child, Path(__file__).resolve(), args)}
 
 def trl_child(spec_path: Path) -> None:
     """Inside accelerate's process: what a TRL user writes, plus counters and dstrain's pair order."""
@@ -399,11 +334,7 @@ PEER = {"dstrain-z3-full-packed": "trl-z3-full-nogc", "dstrain-z3-full-unpacked"
 
 
 def plan_rows(args) -> list[dict]:
-    rows = [r for r in ROWS if r["runner"] == "dstrain" or not args.tiny or args.trl_tiny]
-    if args.rows:
-        patterns = [p if any(c in p for c in "*?[") else f"*{p}*" for p in args.rows.split(",")]
-        rows = [r for r in rows if any(fnmatch.fnmatch(r["name"], p) for p in patterns)]
-    return rows
+    return pick([r for r in ROWS if r["runner"] == "dstrain" or not args.tiny or args.trl_tiny], args.rows)
 
 
 def table(rows: list[dict]) -> str:
@@ -447,57 +378,28 @@ def curves(rows: list[dict], first: int = 30) -> str:
     return "\n".join(out)
 
 
+DEFAULTS = {"steps": (24, 3), "warmup": (4, 1), "seq_len": (2048, 256), "global_pairs": (16, 8),
+            "pairs": (4000, 200), "row_timeout": (150.0, 900.0), "budget": (560.0, 3600.0)}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="bench", choices=["bench", "trl-child", "versions"])
-    parser.add_argument("--spec", type=Path, help="trl-child: its spec file")
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
-    parser.add_argument("--work", type=Path, default=None, help="default /tmp/dstrain-pref[-tiny]")
-    parser.add_argument("--rows", default=None, help="comma-separated row names or globs")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny Llama, short pairs, few steps")
+    parser = bench_parser(__doc__, DEFAULTS)
     parser.add_argument("--trl-tiny", action="store_true", help="with --tiny: the TRL rows too")
-    parser.add_argument("--accelerator", choices=("cuda", "cpu"), default=None)
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps a row (default 24; tiny 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 4; tiny 1)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 2048; tiny 256")
-    parser.add_argument("--global-pairs", type=int, default=None, help="pairs a step (default 16; tiny 8)")
-    parser.add_argument("--pairs", type=int, default=None, help="pairs in the data (default 4000; tiny 200)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--row-timeout", type=float, default=None, help="seconds a row may take (default 150)")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole command; rows that would start later are skipped (default 560)")
     parser.add_argument("--dstrain-set", action="append", help="extra --set for the dstrain rows")
-    args = parser.parse_args()
+    args = bench_args(parser, DEFAULTS, "pref")
     if args.command == "trl-child":
         trl_child(args.spec)
         return
-    if args.command == "versions":
-        print(json.dumps(sft.versions()))
-        return
-
+    if args.global_pairs % TRL_MICRO_PAIRS:
+        parser.error(f"--global-pairs must be a multiple of {TRL_MICRO_PAIRS}")
     tiny = args.tiny
-    args.accelerator = args.accelerator or ("cpu" if tiny else "cuda")
-    for key, full, small in (("steps", 24, 3), ("warmup", 4, 1), ("seq_len", 2048, 256), ("global_pairs", 16, 8),
-                             ("pairs", 4000, 200), ("row_timeout", 150, 900), ("budget", 560, 3600)):
-        if getattr(args, key) is None:
-            setattr(args, key, small if tiny else full)
-    if args.warmup >= args.steps or args.global_pairs % TRL_MICRO_PAIRS:
-        parser.error(f"--warmup must be below --steps, --global-pairs a multiple of {TRL_MICRO_PAIRS}")
-    args.work = args.work or Path(tempfile.gettempdir()) / ("dstrain-pref-tiny" if tiny else "dstrain-pref")
-    args.out = args.out or args.work / "out"
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.work.mkdir(parents=True, exist_ok=True)
-    log(f"dstrain from {DSTRAIN_ROOT}; work {args.work}; out {args.out}")
+    log(f"work {args.work}; out {args.out}")
 
     model_dir, data_dir = args.work / "model", args.work / "data"
-    facts_file = model_dir / "bench_facts.json"
-    if facts_file.exists() and json.loads(facts_file.read_text())["shape"] == (LLAMA_TINY if tiny else LLAMA32_1B):
-        facts = json.loads(facts_file.read_text())
-        log(f"model reused: {model_dir}")
-    else:
-        log("building the tokenizer and the model (random weights, bf16 safetensors)")
-        facts = make_model(model_dir, tiny)
-        log(f"model: {facts['params'] / 1e9:.3f}B parameters, tokenizer {facts['chars_per_token']:.2f} chars/token")
+    # the tokenizer's 32,000 ids; the embedding and the head keep Llama-3.2's 128,256 rows (the head's cost there)
+    facts = reuse_or_make_llama(model_dir, LLAMA_TINY if tiny else LLAMA32_1B,
+                                tokenizer_vocab=LLAMA_TINY["vocab_size"] if tiny else TOKENIZER_VOCAB,
+                                text_chars=(1 if tiny else 6) * 1_000_000)
     lengths = make_pairs(data_dir, args.pairs, args.seq_len, facts["chars_per_token"], model_dir,
                          scale=0.15 if tiny else 1.0)
     log(f"data: {json.dumps(lengths)}")
@@ -508,49 +410,20 @@ def main() -> None:
         f"(~{packed_micro[0] * packed_micro[1] * per_row:.1f} pairs; unpacked and TRL: {args.global_pairs})")
     ctx = {"model": model_dir, "data": data_dir, "lengths": lengths, "packed_micro": packed_micro}
 
-    device = "cpu"
-    if args.accelerator == "cuda":
-        import torch
-        device = torch.cuda.get_device_name(0)
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(), "device": device,
-           "versions": sft.versions_in_child(), "model": facts, "data": lengths, "packed_micro": packed_micro,
+    device = device_name(args.accelerator == "cuda")
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
+           "versions": versions_in_child(), "model": facts, "data": lengths, "packed_micro": packed_micro,
            "settings": {k: str(v) for k, v in vars(args).items()}, "rows": []}
-    log(f"versions: {json.dumps(doc['versions'])}")
-    short = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device)
-    out_file = args.out / f"preference-{short.group(1).lower() if short else 'cpu' if device == 'cpu' else 'gpu'}.json"
-    planned = plan_rows(args)
-    log(f"{len(planned)} rows: {', '.join(r['name'] for r in planned)}")
-    if out_file.exists():  # a partial re-run keeps the rows of the earlier run it does not repeat
-        again = {r["name"] for r in planned}
-        doc["rows"] = [r for r in json.loads(out_file.read_text()).get("rows", []) if r["name"] not in again]
-    for spec in planned:
-        name = spec["name"]
-        left = args.budget - (time.time() - sft.T0)
-        base = {k: spec[k] for k in ("name", "runner", "stage", "lora", "packed")}
-        if left < 45:
-            log(f"row {name}: skipped, {args.budget:.0f}s budget spent")
-            doc["rows"].append({**base, "error": f"skipped: the {args.budget:.0f}s budget (--budget) was spent"})
-            continue
-        args.row_limit = min(args.row_timeout, left)
-        log(f"row {name}: start (at most {args.row_limit:.0f}s)")
-        try:
-            row = dstrain_row(spec, ctx, args) if spec["runner"] == "dstrain" else trl_row(spec, ctx, args)
-        except Exception as err:  # noqa: BLE001 - one broken row must not lose the others
-            row = {**base, "error": f"{type(err).__name__}: {err}"}
-        row["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        doc["rows"].append(row)
-        out_file.write_text(json.dumps(doc, indent=2) + "\n")
-        if "error" in row:
-            log(f"row {name}: FAILED after {row.get('wall_s', '?')}s: {row['error'][-700:]}")
-        else:
-            log(f"row {name}: {row['pairs_per_s']:.2f} pairs/s, {row['real_tokens_per_s']:,.0f} real tok/s, peak "
-                f"{row['peak_gpu_gib'] if row['peak_gpu_gib'] is None else round(row['peak_gpu_gib'], 2)} GiB, "
-                f"losses {[round(x, 4) for x in row['losses'][:6]]}, {row['wall_s']}s")
-    order = [r["name"] for r in ROWS]
-    doc["rows"].sort(key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
-    out_file.write_text(json.dumps(doc, indent=2) + "\n")
+
+    def run_one(spec: dict) -> dict:
+        return dstrain_row(spec, ctx, args) if spec["runner"] == "dstrain" else trl_row(spec, ctx, args)
+
+    def describe(row: dict) -> str:
+        return (f"{row['pairs_per_s']:.2f} pairs/s, {row['real_tokens_per_s']:,.0f} real tok/s, peak "
+                f"{row['peak_gpu_gib']} GiB, losses {[round(x, 4) for x in row['losses'][:6]]}, {row['wall_s']}s")
+    run_rows(plan_rows(args), run_one, describe, doc, args.out / f"preference-{short_name(device)}.json", args,
+             order=[r["name"] for r in ROWS])
     print("\n" + table(doc["rows"]) + "\n\n" + curves(doc["rows"]), flush=True)
-    log(f"written to {out_file}")
 
 
 if __name__ == "__main__":

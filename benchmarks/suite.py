@@ -1,64 +1,18 @@
-"""GPU benchmark suite: one GPT trained three ways on the same data, in one command.
-
-Runners (each row is a fresh process, so peak memory and start-up are its own):
-  torch      plain PyTorch: fp32 weights, autocast bf16, torch.optim.AdamW(fused=True), clipping,
-             DDP on several GPUs. The reference.
-  deepspeed  a hand-written DeepSpeed loop, given exactly the DeepSpeed JSON that dstrain renders
-             for the preset (`dstrain.config.resolve.resolve`, the code behind
-             `dstrain config --deepspeed-json`): deepspeed.initialize, engine(batch), engine.backward,
-             engine.step. It mirrors the dstrain settings that live outside that JSON
-             (train.activation_checkpointing, train.compile).
-  lightning  PyTorch Lightning's named DeepSpeed strategy for the preset (deepspeed_stage_1/2/2_offload/
-             3/3_offload) with Lightning's own DeepSpeed settings: the peer a user would pick instead.
-             CUDA only (Lightning refuses DeepSpeed on CPU); stage3_nvme is not mirrored.
-  dstrain    `python -m dstrain.cli run --preset P --gpus N` (the real launcher and worker).
-
-All of them train dstrain's built-in GPT (dstrain/models/gpt.py) on the same synthetic token batches
-(dstrain.data.sampler.SyntheticSampler, same seed) with the same hyper-parameters and LR schedule.
-With --hf-shape NAME (HF_SHAPES: a Qwen2.5-1.5B or a Llama 3.2-1B shape, random weights, built once into
---hf-dir) or --model hf:FOLDER they train that Hugging Face model instead (dstrain's `model.name=hf:...`;
-torch and the hand loop load the same folder; Lightning builds the same shape with its own random
-weights). The torch runner's +compile_blocks flag compiles each decoder layer on its own, as dstrain's
-train.compile does for hf: models (rank/runtime.py compile_hf_blocks); +compile compiles the whole model.
-
-Offload rows (stage2_offload, stage3_offload) also print their step time as a fraction of the bound that
-this host's Adam bandwidth and PCIe rates imply (benchmarks/offload_bound.py states the model; measured
-once per call in its own process; --no-offload-bound skips it). The GPU's part of the bound is the torch
-row's step time when that row ran in the same invocation.
-
-How throughput is measured, identically for every runner: the loop logs every --log-every steps
-and waits for the device only there (loss.item(), as dstrain's loop does); an interval's time is
-the host clock between two log points, its tokens/s = global batch x seq_len x steps / seconds.
-A row's tokens/s is the median over the intervals that start at or after --warmup steps. For
-dstrain these intervals are read from metrics.jsonl (tokens_per_s per log interval); its final
-evaluation and checkpoint come after the last log point and are outside every interval.
-
-  TFLOP/s per GPU = tokens/s x flops_per_token / GPUs / 1e12, with flops_per_token from
-  dstrain.models.gpt.flops_per_token: 6 x (params - embedding params + the tied LM head's vocab x width)
-  + 12 x layers x width x seq_len (no recomputation counted: activation checkpointing lowers this
-  number, it does not raise it). MFU = TFLOP/s per GPU / dstrain.hardware.dense_bf16_peak_tflops.
-  peak_gpu_gib: torch.cuda.max_memory_allocated of rank 0 at the end of training.
-  host_rss_gib: peak resident set of the largest process of the row (a rank, normally), from wait4.
-  first_step_s: from starting the row's command to the end of step 1, estimated as the end of the
-  first log interval minus (its steps - 1) x the median step time.
+"""GPU benchmark suite: one model trained the same way by plain torch, DeepSpeed driven by hand, PyTorch
+Lightning's DeepSpeed strategies and dstrain, each row a fresh process, on the same batches and initial weights.
+docs/benchmarks.md ("How it is measured") says how a row is timed and what its figures mean; benchmarks/calls.sh
+runs the calls behind its tables.
 
 Examples:
   python3 benchmarks/suite.py                                      # 406M GPT, 1 GPU, every preset
   python3 benchmarks/suite.py --gpus 2 --presets stage1,stage2,stage3
-  python3 benchmarks/suite.py --n-layer 12 --d-model 768 --n-head 12 --micro-batch 16
   python3 benchmarks/suite.py --presets stage1 --variant "compile@torch,deepspeed,dstrain=train.compile=true;+compile"
-  python3 benchmarks/suite.py --accelerator cpu --n-layer 2 --d-model 64 --n-head 2 --seq-len 32 \\
-      --vocab-size 256 --micro-batch 2 --steps 6 --log-every 2 --warmup 2    # CPU smoke test
-  python3 benchmarks/suite.py --vocab-size 151936 --presets stage2 --no-base \\
-      --variant "whole@torch,dstrain=train.loss_chunking=false" \\
-      --variant "chunked@torch,dstrain=train.loss_chunking=true"   # the LM loss whole or in chunks
-  python3 benchmarks/suite.py merge A.json B.json -o benchmarks/results/2026-11-22-h100.json
-  python3 benchmarks/suite.py --runners dstrain --presets stage2 --no-base --log-cost   # cost of logging
   python3 benchmarks/suite.py --hf-shape qwen2-1.5b --seq-len 2048 --micro-batch 4 --runners torch,dstrain \
-      --presets stage2,stage3 --variant "compiled@torch=+compile_blocks" \
-      --variant "eager@dstrain=train.compile=false"                         # HF rows, compiled and eager
-  python3 benchmarks/suite.py --accelerator cpu --hf-shape tiny-llama --seq-len 32 --micro-batch 2 \
-      --steps 6 --log-every 2 --warmup 2 --runners torch,dstrain --presets stage2   # HF CPU smoke test
+      --presets stage2,stage3 --variant "compiled@torch=+compile_blocks"     # a Hugging Face shape
+  python3 benchmarks/suite.py --runners dstrain --presets stage2 --no-base --log-cost   # cost of logging
+  python3 benchmarks/suite.py merge A.json B.json -o benchmarks/results/2026-11-22-h100.json
+  python3 benchmarks/suite.py --accelerator cpu --n-layer 2 --d-model 64 --n-head 2 --seq-len 32 \
+      --vocab-size 256 --micro-batch 2 --steps 6 --log-every 2 --warmup 2    # CPU smoke test
 """
 
 from __future__ import annotations
@@ -68,7 +22,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -82,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the suite runs from a source checkout, installed or not
+from run_record import versions  # noqa: E402
 
 _RUNNING: list[int] = []  # the row command in flight, killed with its tree if the suite is stopped
 
@@ -101,6 +55,10 @@ HF_SHAPES = {
                                      num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
                                      tie_word_embeddings=True, rope_theta=5e5, max_position_embeddings=131072,
                                      rms_norm_eps=1e-5)),
+    # TinyLlama's (docs/fine-tuning.md's throughput table, against Lightning's DeepSpeedStrategy(stage=3))
+    "tinyllama-1.1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                           num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                                           max_position_embeddings=2048, tie_word_embeddings=False)),
     # CPU smoke tests: vocabulary 256 (the synthetic tokens' default range)
     "tiny-qwen2": ("Qwen2Config", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                        intermediate_size=64, vocab_size=256, tie_word_embeddings=True, rope_theta=1e6,
@@ -428,28 +386,6 @@ def _peak(device: str) -> float | None:
     return dense_bf16_peak_tflops(device)
 
 
-def _versions() -> dict:
-    import importlib.metadata as md
-    versions = {"python": platform.python_version()}
-    for package in ("torch", "deepspeed", "lightning", "dstrain"):
-        try:
-            versions[package] = md.version(package)
-        except md.PackageNotFoundError:
-            versions[package] = None
-    if versions["dstrain"] is None:
-        from dstrain import __version__
-        versions["dstrain"] = __version__
-    try:
-        import torch
-        versions["cuda"] = torch.version.cuda
-    except ImportError:
-        pass
-    # --dirty: a copied working tree (the GPU machine's) can carry stale git metadata
-    commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True)
-    versions["dstrain_commit"] = commit.stdout.strip() or os.environ.get("DSTRAIN_COMMIT")
-    return versions
-
-
 def _model_info(args) -> dict:
     from dstrain.config.resolve import resolve
     from dstrain.models import count_model
@@ -464,13 +400,11 @@ def _model_info(args) -> dict:
         return {"name": f"hf:{args.hf}", "hf_shape": args.hf_shape, "architecture": type(built[0].model).__name__,
                 "n_layer": hf_config.num_hidden_layers, "d_model": hf_config.hidden_size,
                 "vocab_size": hf_config.vocab_size, "seq_len": args.seq_len, "micro_batch_per_gpu": args.micro_batch,
-                "params": n_params, "data": args.data,
-                "flops_per_token": hf.flops_per_token(built[0], n_params, args.seq_len)}
+                "params": n_params, "flops_per_token": hf.flops_per_token(built[0], n_params, args.seq_len)}
     n_params, _ = count_model(model_builder(config))
     return {"name": "gpt", "n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head,
             "vocab_size": args.vocab_size, "seq_len": args.seq_len, "micro_batch_per_gpu": args.micro_batch,
-            "params": n_params, "data": args.data,
-            "flops_per_token": flops_per_token(n_params, args.n_layer, args.d_model, args.seq_len, args.vocab_size)}
+            "params": n_params, "flops_per_token": flops_per_token(n_params, args.n_layer, args.d_model, args.seq_len, args.vocab_size)}
 
 
 def _steps(args, preset: str) -> tuple[int, int, int]:
@@ -487,7 +421,7 @@ def _shape_sets(args, preset: str, gpus: int) -> list[str]:
     model = ([f"model.name=hf:{args.hf}"] if args.hf else  # synthetic tokens stay below model.vocab_size (256)
              [f"model.n_layer={args.n_layer}", f"model.d_model={args.d_model}", f"model.n_head={args.n_head}",
               f"model.vocab_size={args.vocab_size}"])
-    sets = [*model, f"data.seq_len={args.seq_len}", f"data.source={args.data}",
+    sets = [*model, f"data.seq_len={args.seq_len}", "data.source=synthetic",
             f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={steps}", f"train.log_every={log_every}",
             # evaluation only at the end; no checkpoint (writing the optimizer state is not training)
             f"train.eval_every={10**9}", "train.save_checkpoints=false", "train.eval_batches=2"]
@@ -501,20 +435,23 @@ def _shape_sets(args, preset: str, gpus: int) -> list[str]:
     return sets + list(args.set or [])
 
 
-def _rss_and_wait(process: subprocess.Popen, timeout: float) -> tuple[int | None, float, bool]:
-    """Wait for `process` (killing its whole tree after `timeout`); returns (exit status, peak RSS of
-    its largest process in GiB, timed out). wait4 reports the maximum over the child and every
-    descendant it reaped, which is each rank for every launcher used here."""
+def _rss_and_wait(process: subprocess.Popen, timeout: float, give_up=lambda: False) -> tuple[int | None, float, bool]:
+    """Wait for `process` (killing its whole tree after `timeout`, or once give_up() says so); returns (exit
+    status, peak RSS of its largest process in GiB, killed). wait4 reports the maximum over the child and
+    every descendant it reaped, which is each rank for every launcher used here."""
     deadline = time.monotonic() + timeout
+    _RUNNING[:] = [process.pid]
     while True:
         pid, status, usage = os.wait4(process.pid, os.WNOHANG)
         if pid:
             process.returncode = os.waitstatus_to_exitcode(status)
+            _RUNNING.clear()
             return process.returncode, usage.ru_maxrss / 2**20, False
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or give_up():
             _kill_tree(process.pid)
             _, status, usage = os.wait4(process.pid, 0)
             process.returncode = os.waitstatus_to_exitcode(status)
+            _RUNNING.clear()
             return None, usage.ru_maxrss / 2**20, True
         time.sleep(0.2)
 
@@ -656,11 +593,9 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    start_new_session=True, text=True, errors="replace", bufsize=1)
-        _RUNNING[:] = [process.pid]
         copier = threading.Thread(target=_timestamped_copy, args=(process.stdout, log, t0), daemon=True)
         copier.start()
         code, rss, timed_out = _rss_and_wait(process, args.row_timeout)
-        _RUNNING.clear()
         copier.join(timeout=10)
     row["wall_s"] = round(time.time() - t0, 1)
     row["host_rss_gib"] = round(rss, 2)
@@ -696,8 +631,7 @@ def run_row(args, work: Path, runner: str, preset: str, gpus: int, variant: tupl
     row["status"] = "ok" if code == 0 else ("timeout after the measurement" if timed_out else f"exit {code} after the measurement")
     if row["peak_gpu_gib"] is not None:
         row["peak_gpu_gib"] = round(row["peak_gpu_gib"], 2)
-    if args.keep_runs is False:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
     return row
 
 
@@ -835,7 +769,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--vocab-size", type=int, default=100352, help="100352 makes the default GPT 406M parameters")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
-    p.add_argument("--data", default="synthetic", help="dstrain data.source: synthetic (random tokens) or corpus")
     p.add_argument("--hf-shape", choices=sorted(HF_SHAPES), default=None,
                    help="train a Hugging Face model of this shape (random weights, built once into --hf-dir) "
                         "instead of the built-in GPT; --n-layer, --d-model, --n-head and --vocab-size do not apply")
@@ -861,7 +794,6 @@ def main(argv: list[str]) -> int:
                         "and log_none (logging only at the middle and the end), compared over the second half")
     p.add_argument("--nvme-path", default=str(Path(tempfile.gettempdir()) / "dstrain-bench-nvme"))
     p.add_argument("--row-timeout", type=float, default=600.0, help="seconds before a row is killed")
-    p.add_argument("--keep-runs", action="store_true", help="keep dstrain run directories")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--work", type=Path, default=None, help="logs and run directories (default: a temp dir)")
     args = p.parse_args(argv)
@@ -899,7 +831,7 @@ def main(argv: list[str]) -> int:
         args.largest_param = model["vocab_size"] * model["d_model"]
     suffix = f"x{max(gpu_counts)}" if max(gpu_counts) > 1 else ""
     out_path = args.out / f"{datetime.date.today().isoformat()}-{short}{suffix}.json"
-    doc = {"device": device, "versions": _versions(), "model": model, "rows": [],
+    doc = {"device": device, "versions": versions(), "model": model, "rows": [],
            "method": "median tokens/s over log intervals after warm-up; TFLOP/s = tokens/s x flops_per_token / GPUs; "
                      "MFU = TFLOP/s per GPU / the GPU's dense bf16 peak (dstrain.hardware.dense_bf16_peak_tflops)",
            "peak_tflops": None if args.accelerator == "cpu" else _peak(device),

@@ -351,7 +351,7 @@ class TrainConfig(Section):
     checkpoint_hashes: bool = True
     """Record each checkpoint file's SHA-256 in its completion mark (sizes are always recorded). Each
     rank hashes its own files right after saving, in parallel: about 0.6 s per GB per rank on a CPU
-    core with SHA instructions (benchmarks/checkpoint_hashes.py). `dstrain checkpoint verify` checks them."""
+    core with SHA instructions (docs/benchmarks.md). `dstrain checkpoint verify` checks them."""
     verify_hashes_on_resume: bool = False
     """--resume also compares every file's SHA-256 with the mark, reading the whole checkpoint once more
     before the ranks start (sizes are always compared)."""

@@ -1,5 +1,6 @@
-"""benchmarks/long_context_peers.py's pure parts: the configs it hands `accelerate launch`, its argument
-parsing, its tokens/s arithmetic and its table rows. No launcher: seconds."""
+"""benchmarks/long_context.py's pure parts for its peers' rows (TRL and a plain Accelerate loop): the configs
+it hands `accelerate launch`, its argument parsing, its tokens/s arithmetic and its table rows. No launcher:
+seconds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-peers = pytest.importorskip("long_context_peers")
+peers = pytest.importorskip("long_context")
 
 
 def test_deepspeed_config_is_zero3_micro_batch_one():
@@ -44,12 +45,14 @@ def test_parallelism_config_accepts_what_the_script_writes():
 
 
 def test_arguments_and_layouts():
-    args = peers.parse(["--gpus", "1,2,4", "--layouts", "dp,sp", "--seq-lens", "32768"])
-    assert peers.layouts(args) == [(1, 1), (2, 1), (2, 2), (4, 1), (4, 4)]
-    assert peers.layouts(peers.parse(["--gpus", "2,4"])) == [(2, 2), (4, 4)]  # sp by default
-    assert args.peers == "trl,accelerate" and args.worker is None
+    args = peers.parse(["--gpus", "1,2,4", "--seq-lens", "32768"])
+    assert peers.layouts(args) == [(1, 1), (2, 1), (2, 2), (4, 1), (4, 4)]  # dp and sp by default
+    assert peers.layouts(peers.parse(["--gpus", "2,4", "--layouts", "sp"])) == [(2, 2), (4, 4)]
+    assert args.runners == "dstrain" and args.worker is None
     with pytest.raises(SystemExit):
-        peers.parse(["--peers", "lightning"])
+        peers.parse(["--runners", "lightning"])
+    with pytest.raises(SystemExit):
+        peers.parse(["--variants", "huge"])
 
 
 def test_tokens_per_s_counts_the_whole_job_after_warmup():
@@ -70,7 +73,7 @@ def test_mfu_uses_dstrains_formula(tmp_path):
 
 
 def test_rows_print_figures_or_the_reason():
-    ok = {"peer": "trl", "gpus": 2, "sequence_parallel": 2, "seq_len": 32768, "status": "ok",
+    ok = {"runner": "trl", "gpus": 2, "sequence_parallel": 2, "seq_len": 32768, "status": "ok",
           "tokens_per_s": 12345.6, "mfu": 0.41, "peak_memory_gib": 30.25}
     line = peers.describe(ok)
     assert "SP 2" in line and "trl" in line and "32,768" in line and "12,346" in line and "41.0%" in line
