@@ -279,3 +279,16 @@ def test_lora_on_a_moe_models_attention_trains_packed_rows_and_merges_into_the_p
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert (exported(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item() < 1e-5
+
+
+def test_a_transformers_without_the_loading_functions_is_refused_naming_the_version(monkeypatch):
+    """transformers 5.17 has the conversion mapping but no apply_renamings: a clear exit, not an ImportError
+    in every rank."""
+    from transformers import core_model_loading
+
+    from dstrain.errors import UserError
+    from dstrain.models import conversion
+    monkeypatch.delattr(core_model_loading, "apply_renamings")
+    with pytest.raises(UserError) as refused:
+        conversion._require_loading_functions()
+    assert "apply_renamings" in str(refused.value) and transformers.__version__ in str(refused.value)

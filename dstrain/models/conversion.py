@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from dstrain.errors import UserError
+
 
 @dataclass
 class StoredTensor:
@@ -86,6 +88,23 @@ def _mapping(model: nn.Module, add_legacy: bool) -> list | None:
         return None
 
 
+_LOADING_FUNCTIONS = ("rename_source_key", "apply_renamings", "apply_converters")
+
+
+def _require_loading_functions() -> None:
+    """transformers versions that have a conversion mapping but not all the functions that apply it (5.17
+    has no apply_renamings) would stop every rank with an ImportError at load: say so instead."""
+    import transformers
+    from transformers import core_model_loading
+    missing = [name for name in _LOADING_FUNCTIONS if not hasattr(core_model_loading, name)]
+    if missing:
+        raise UserError.single(f"transformers {transformers.__version__} converts this model's checkpoint when it "
+                               f"loads it, but has no {', '.join(missing)} (transformers.core_model_loading), "
+                               "which dstrain's ZeRO-3 loader applies tensor by tensor", "model.name",
+                               "pip install 'transformers>=5.24' (the version this loader is tested with), "
+                               "or train at stage 1 or 2")
+
+
 def _split(mapping: list) -> tuple[list, list]:
     from transformers.core_model_loading import WeightConverter, WeightRenaming
     return ([m for m in mapping if isinstance(m, WeightRenaming)],
@@ -111,6 +130,7 @@ def load_router(model: nn.Module) -> Callable[[list[StoredTensor], set[str]], tu
     prefix = getattr(model, "base_model_prefix", "") or ""
     mapping = _mapping(model, add_legacy=True)
     if mapping:
+        _require_loading_functions()
         from transformers.core_model_loading import rename_source_key
         renamings, converters = _split(mapping)
         by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
