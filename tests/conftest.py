@@ -12,7 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from launch_count import LaunchCounter  # noqa: E402  (tests/ is on the path now)
+import op_gate  # noqa: E402  (tests/ is on the path now)
+from launch_count import LaunchCounter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,7 @@ def transformers_missing(monkeypatch):
 # modules whose launches share nothing), so that a module or session fixture runs once. The first worker writes
 # each test's group to a file the controller's scheduler reads (GroupScheduling; xdist's own --dist loadgroup
 # cannot rename test ids under pytest 9). Each worker counts the ranks it starts; the controller adds them up.
+_GATE_WAITS: list[float] = []  # seconds each process's tests waited for the op build (tests/op_gate.py)
 _LANE_SECONDS = {"fast lane (not integration)": 0.0, "launcher lane (integration)": 0.0}
 _LAUNCHES = LaunchCounter()
 _OP_BUILD: subprocess.Popen | None = None
@@ -145,14 +147,29 @@ def pytest_collection_finish(session):
     """Where the session will start ranks, build DeepSpeed's CPU ops now, in the background (scripts/build_ops.py):
     the fast lane leaves room for it. One process builds: the first xdist worker, or pytest itself."""
     global _OP_BUILD
-    if _worker(session.config) not in (None, "gw0"):
+    if _controller(session.config):
         return
     launching = [item for item in session.items if item.get_closest_marker("integration")]
-    if launching and not session.config.option.collectonly:
+    if not launching or session.config.option.collectonly:
+        return
+    # Every worker collects the same tests, so each knows that gw0 builds and where its gate is.
+    controller = os.getppid() if _worker(session.config) is not None else os.getpid()
+    gate = str(Path(tempfile.gettempdir()) / f"dstrain-tests-ops-{controller}")
+    os.environ[op_gate.GATE_ENV] = gate
+    if _worker(session.config) in (None, "gw0"):
+        for part in (op_gate.BASE, op_gate.NVME):
+            Path(gate + part).unlink(missing_ok=True)
         nvme = ["--nvme"] if any("nvme" in item.nodeid for item in launching) else []
         with open(_OP_BUILD_LOG, "w") as log:
-            _OP_BUILD = subprocess.Popen([sys.executable, "-m", "scripts.build_ops", *nvme],
+            _OP_BUILD = subprocess.Popen([sys.executable, "-m", "scripts.build_ops", gate, *nvme],
                                          cwd=Path(__file__).parent, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A launcher test (its fixtures included) starts once the op build has what its ranks load."""
+    if item.get_closest_marker("integration"):
+        op_gate.wait_for_ops(nvme="nvme" in item.nodeid)
 
 
 def pytest_runtest_protocol(item, nextitem):
@@ -169,6 +186,7 @@ def pytest_testnodedown(node, error):
     output = getattr(node, "workeroutput", {})
     _LAUNCHES.add(output.get("launches", {}))
     _OP_BUILD_SAID.extend(output.get("op_build", []))
+    _GATE_WAITS.append(output.get("op_gate_waited_s", 0.0))
 
 
 def pytest_sessionfinish(session):
@@ -178,11 +196,16 @@ def pytest_sessionfinish(session):
         said = [line for line in _OP_BUILD_LOG.read_text().splitlines() if line.endswith((" s", "here"))]
         _OP_BUILD_SAID.append(f"DeepSpeed ops built beside the fast lane (exit {_OP_BUILD.returncode}): "
                               + ("; ".join(said) or "none"))
+        for part in (op_gate.BASE, op_gate.NVME):
+            Path(os.environ[op_gate.GATE_ENV] + part).unlink(missing_ok=True)
     _LAUNCHES.stop()
     if _worker(session.config) is not None:
         session.config.workeroutput["launches"] = _LAUNCHES.counts()
         session.config.workeroutput["op_build"] = _OP_BUILD_SAID
-    elif _LAUNCHES.over_budget() and session.exitstatus == pytest.ExitCode.OK:
+        session.config.workeroutput["op_gate_waited_s"] = op_gate.waited_seconds()
+        return
+    _GATE_WAITS.append(op_gate.waited_seconds())
+    if _LAUNCHES.over_budget() and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -193,6 +216,9 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{lane}: {seconds:.0f} s ({seconds / 60:.1f} min) of test time")
     for line in _OP_BUILD_SAID:
         terminalreporter.write_line(line)
+    if any(_GATE_WAITS):
+        terminalreporter.write_line(f"tests waited at the op gate for the build: {sum(_GATE_WAITS):.0f} s "
+                                    f"(all workers, tests/op_gate.py)")
     for line in _LAUNCHES.report():
         terminalreporter.write_line(line)
 

@@ -14,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from op_gate import wait_for_ops
+
 ONE_RANK_PREAMBLE = textwrap.dedent("""
     import json, os, socket, sys, warnings
     warnings.filterwarnings("ignore")
@@ -51,6 +53,7 @@ def rank_env(accelerator: str, extra: dict | None = None) -> dict:
 def run_one_rank(script: str, timeout: float = 600, accelerator: str = "cpu", env: dict | None = None):
     """Run ONE_RANK_PREAMBLE + `script` on DeepSpeed's CPU accelerator (gloo) or on GPU 0 (cuda, nccl),
     with `env` added to the environment; the value it passed to result()."""
+    wait_for_ops()
     done = subprocess.run([sys.executable, "-c", ONE_RANK_PREAMBLE + textwrap.dedent(script)], capture_output=True,
                           text=True, timeout=timeout, env=rank_env(accelerator, env))
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
@@ -69,6 +72,7 @@ def run_script(module: str, params: dict, timeout: float = 600, accelerator: str
     """Run tests/scripts/<module>.py with `params` on DeepSpeed's CPU accelerator (gloo) or on GPUs (cuda,
     nccl), with `env` added to the environment: the value it passed to result(), or with ranks > 1 the
     list of each rank's (the ranks meet on a free port of this host)."""
+    wait_for_ops()
     env = rank_env(accelerator, {**(env or {}), "PYTHONPATH": os.pathsep.join(
         [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])})
     if ranks > 1:

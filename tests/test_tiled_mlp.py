@@ -122,6 +122,7 @@ ONE_STEP = """
 
 
 @pytest.mark.slow
+@pytest.mark.oldest_deepspeed  # real ZeRO-2/3 engines on one rank: DeepSpeed's version matters
 @pytest.mark.parametrize("stage", [2, 3])
 def test_tiled_mlp_trains_as_the_whole_mlp_under_zero(tmp_path, stage):
     """ZeRO reduces each MLP gradient once, after the last shard (TiledMLP's ds_grad_is_ready), and at

@@ -1,10 +1,11 @@
 """Builds the DeepSpeed JIT ops that CPU ranks load, into the op cache those ranks use (dstrain/op_cache.py),
 then exits. tests/conftest.py starts it in the background when a session holds launcher tests: on a 2-core
 machine the fast lane keeps one core busy, so the builds (about 100 s each, async_io over 3 minutes) run on
-the other instead of inside the first launcher tests. A rank that needs an op still being built waits on
-torch's build lock, then loads it; nothing is built twice.
+the other instead of inside the first launcher tests. The tests that start ranks wait for it at the gate
+(tests/op_gate.py): the base ops first, async_io last, each part's gate file written when that part is
+done, built or not. Nothing is built twice, and no test's timeout kills a build halfway.
 
-Usage: python -m scripts.build_ops [--nvme]   (from tests/, as conftest runs it)"""
+Usage: python -m scripts.build_ops GATE_PREFIX [--nvme]   (from tests/, as conftest runs it)"""
 
 from __future__ import annotations
 
@@ -12,33 +13,56 @@ import os
 import sys
 import time
 
+from op_gate import BASE, NVME, open_gate
+
 # What CPU ranks build: the comm op at init_distributed, DeepSpeed's Adam for the optimizer (fused on the
-# device, CPU Adam with offload), async_io for NVMe offload (needs libaio).
-BUILDERS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder")
+# device, the common case; CPU Adam with offload), async_io for NVMe offload (needs libaio).
+BUILDERS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder")
 
 
 def main() -> None:
+    gate = sys.argv[1]
+    said: list[str] = []
+    try:
+        _build_base(said)
+    finally:
+        open_gate(gate, BASE, "\n".join(said))
+    try:
+        if "--nvme" in sys.argv:
+            _build(["AsyncIOBuilder"], said)
+    finally:
+        open_gate(gate, NVME, "\n".join(said))
+
+
+def _build_base(said: list[str]) -> None:
     from dstrain.op_cache import use_private_op_cache
     os.environ["DS_ACCELERATOR"] = "cpu"
     use_private_op_cache(os.environ, "cpu")
-    from deepspeed.accelerator import get_accelerator
-
-    names = [*BUILDERS, *(("AsyncIOBuilder",) if "--nvme" in sys.argv else ())]
-    for name in names:
-        builder = get_accelerator().create_op_builder(name)
-        started = time.monotonic()
-        if builder is None or not builder.is_compatible(verbose=False):
-            print(f"{name}: not buildable here", flush=True)
-            continue
-        builder.load(verbose=False)
-        print(f"{name}: ready in {time.monotonic() - started:.0f} s", flush=True)
+    _build(BUILDERS, said)
     # dstrain's GIL-free Adam, where the speed layer applies (a verified DeepSpeed)
     from dstrain.speedups.cpu_adam_nogil import load_adam_without_gil
     from dstrain.speedups.registry import unverified
     if unverified() is None:
         started = time.monotonic()
         load_adam_without_gil()
-        print(f"dstrain_cpu_adam_nogil: ready in {time.monotonic() - started:.0f} s", flush=True)
+        _say(said, f"dstrain_cpu_adam_nogil: ready in {time.monotonic() - started:.0f} s")
+
+
+def _build(names, said: list[str]) -> None:
+    from deepspeed.accelerator import get_accelerator
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        started = time.monotonic()
+        if builder is None or not builder.is_compatible(verbose=False):
+            _say(said, f"{name}: not buildable here")
+            continue
+        builder.load(verbose=False)
+        _say(said, f"{name}: ready in {time.monotonic() - started:.0f} s")
+
+
+def _say(said: list[str], line: str) -> None:
+    said.append(line)
+    print(line, flush=True)
 
 
 if __name__ == "__main__":
