@@ -10,8 +10,11 @@ Usage: python -m scripts.build_ops GATE_PREFIX [--nvme]   (from tests/, as conft
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import sys
 import time
+from pathlib import Path
 
 from op_gate import BASE, NVME, open_gate
 
@@ -38,6 +41,7 @@ def _build_base(said: list[str]) -> None:
     from dstrain.op_cache import use_private_op_cache
     os.environ["DS_ACCELERATOR"] = "cpu"
     use_private_op_cache(os.environ, "cpu")
+    _compile_with_precompiled_headers()
     _build(BUILDERS, said)
     # dstrain's GIL-free Adam, where the speed layer applies (a verified DeepSpeed)
     from dstrain.speedups.cpu_adam_nogil import load_adam_without_gil
@@ -58,6 +62,21 @@ def _build(names, said: list[str]) -> None:
             continue
         builder.load(verbose=False)
         _say(said, f"{name}: ready in {time.monotonic() - started:.0f} s")
+
+
+def _compile_with_precompiled_headers() -> None:
+    """torch's JIT builds call `c++`: here that is scripts/pch_cxx.py, which precompiles torch's header once
+    per flag set (the ranks' later loads see the same commands and find the builds up to date)."""
+    real = shutil.which(os.environ.get("CXX", "c++"))
+    if real is None or os.environ.get("CXX"):
+        return  # a compiler of the user's choice: left alone
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "dstrain-precompiled-headers"
+    front = root / "bin" / "c++"
+    front.parent.mkdir(parents=True, exist_ok=True)
+    front.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(Path(__file__).with_name('pch_cxx.py')))} \"$@\"\n")
+    front.chmod(0o755)
+    os.environ.update(DSTRAIN_PCH_REAL_CXX=real, DSTRAIN_PCH_DIR=str(root),
+                      PATH=f"{front.parent}{os.pathsep}{os.environ['PATH']}")
 
 
 def _say(said: list[str], line: str) -> None:

@@ -1,0 +1,43 @@
+"""The test session's op build helpers (tests/scripts/pch_cxx.py, tests/op_gate.py), in-process."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from scripts.pch_cxx import header_flags
+import op_gate
+
+TORCH = "/venv/lib/python3.11/site-packages/torch/include"
+
+
+def test_the_header_is_keyed_by_how_it_compiles_not_by_the_source_its_module_or_its_folders():
+    one = ["-MMD", "-MF", "a.o.d", "-DTORCH_EXTENSION_NAME=fused_adam", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           "-I/ds/csrc/includes", "-isystem", TORCH, "-fPIC", "-std=c++20", "-O3", "-g", "-march=native",
+           "-c", "/ds/csrc/adam/fused_adam.cpp", "-o", "fused_adam.o"]
+    other = ["-MMD", "-MF", "b.o.d", "-DTORCH_EXTENSION_NAME=dstrain_cpu_adam_nogil", "-DTORCH_API_INCLUDE_EXTENSION_H",
+             "-I/ds/csrc/includes", "-I", "/ds/csrc/adam", "-isystem", TORCH, "-fPIC", "-std=c++20", "-O3", "-g",
+             "-march=native", "-c", "/x/cpu_adam_nogil.cpp", "-o", "nogil.o"]
+    assert header_flags(one) == header_flags(other) == [
+        "-DTORCH_API_INCLUDE_EXTENSION_H", "-isystem", TORCH, "-fPIC", "-std=c++20", "-O3", "-march=native"]
+    # another optimisation level is another header
+    assert header_flags([*one[:-6], "-O0", *one[-6:]]) != header_flags(one)
+
+
+def test_links_version_checks_and_sources_without_torch_pass_through():
+    assert header_flags(["a.o", "b.o", "-shared", "-o", "op.so"]) is None
+    assert header_flags(["-dumpfullversion", "-dumpversion"]) is None
+    assert header_flags(["-O3", "-c", "test.c", "-o", "test.o"]) is None
+
+
+def test_a_test_waits_at_the_gate_until_the_build_opens_it(tmp_path, monkeypatch):
+    prefix = str(tmp_path / "ops")
+    monkeypatch.setenv(op_gate.GATE_ENV, prefix)
+    opener = threading.Timer(0.3, op_gate.open_gate, (prefix, op_gate.BASE, "FusedAdamBuilder: ready in 1 s"))
+    opener.start()
+    started = time.monotonic()
+    op_gate.wait_for_ops()
+    assert time.monotonic() - started >= 0.25 and os.path.exists(prefix + op_gate.BASE)
+    monkeypatch.delenv(op_gate.GATE_ENV)
+    op_gate.wait_for_ops(nvme=True)  # no build in this session: nothing to wait for
