@@ -1,5 +1,6 @@
 """Shared test setup: tests import their helpers (tests/launcher.py) by module name; a one-rank process group."""
 
+import functools
 import json
 import os
 import subprocess
@@ -85,13 +86,14 @@ def pytest_sessionstart(session):
 def pytest_collection_modifyitems(session, config, items):
     """Modules without launcher tests first, each module's tests kept together and in order (module fixtures
     are set up once): the fast lane's failures show in its first minutes, and the op builds started below
-    run beside it. Then the launcher groups, the longest first. The first xdist worker writes the groups down
+    run beside it; of those, the modules whose tests start one-rank processes last, as they wait for the ops. Then the launcher groups, the longest first. The first xdist worker writes the groups down
     for the controller's scheduler."""
     launches = {item.module.__name__ for item in items if item.get_closest_marker("integration")}
 
     def order(item) -> tuple:
         if item.module.__name__ not in launches:
-            return (0, 0)
+            # modules that start rank processes themselves (tests/one_rank.py) wait at the op gate: after the rest
+            return (0, int(_starts_ranks(item.module)))
         if any(mark in item.nodeid for mark in _LAST):
             return (3, 0)
         name = _group(item)
@@ -102,6 +104,13 @@ def pytest_collection_modifyitems(session, config, items):
         partial = groups.with_suffix(".partial")
         partial.write_text(json.dumps({item.nodeid: _group(item) for item in items}))
         partial.replace(groups)
+
+
+@functools.cache
+def _starts_ranks(module) -> bool:
+    """Whether a module's tests start rank processes through tests/one_rank.py."""
+    text = Path(module.__file__).read_text()
+    return "run_one_rank(" in text or "run_script(" in text
 
 
 def _groups_file(controller_pid: int) -> Path:
