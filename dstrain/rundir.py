@@ -43,6 +43,16 @@ DIED = "died"                     # the kind of exit record a rank's own `dstrai
 START_GATE_ENV = "DSTRAIN_START_GATE"
 
 
+def exit_record(run_dir: Path, rank: int) -> Path:
+    """How a rank ended, one line "<kind>: <detail>", written once (by the rank, or for it by a launcher or a node)."""
+    return run_dir / RANKS / f"rank{rank}.exit"
+
+
+def record_rank(path: Path) -> int:
+    """The rank a record in RUN_DIR/ranks (rank<R>.exit, .pid, .log, ...) belongs to."""
+    return int(path.name.split(".")[0].removeprefix("rank"))
+
+
 def rank_log(run_dir: Path, rank: int) -> Path:
     """A rank's log: its stderr, known third-party noise and a failure's traceback (dstrain/rank/output.py)."""
     return run_dir / RANKS / f"rank{rank}.log"

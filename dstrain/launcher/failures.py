@@ -76,13 +76,12 @@ def record_deaths(run_dir: Path, alive: set[int], own_ranks: range | None) -> li
     """Write an exit record for each of this node's ranks that started, is no longer running and wrote none
     (killed from outside, or crashed hard), so that the other nodes of the job learn of it from the run
     directory: over NCCL their ranks wait in a collective for the dead one instead of failing. Returns them."""
-    directory = run_dir / rundir.RANKS
     dead = []
     for rank in _started(run_dir):
         if (own_ranks is not None and rank not in own_ranks) or rank in alive:
             continue
         try:
-            with open(directory / f"rank{rank}.exit", "x") as record:
+            with open(rundir.exit_record(run_dir, rank), "x") as record:
                 record.write(f"{rundir.DIED}: {DIED_WHY}")
             dead.append(rank)
         except OSError:
@@ -94,10 +93,9 @@ def wait_for_records(run_dir: Path, own_ranks: range, timeout_s: float) -> None:
     """Wait up to `timeout_s` for the exit records of the other nodes' ranks that started: when a node's
     ranks fail together, the record of a rank killed elsewhere comes from its own node's `dstrain run` a
     moment after the launcher here gave up. A rank still running elsewhere never writes one in time."""
-    directory = run_dir / rundir.RANKS
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if all((directory / f"rank{r}.exit").exists() for r in _started(run_dir) if r not in own_ranks):
+        if all(rundir.exit_record(run_dir, r).exists() for r in _started(run_dir) if r not in own_ranks):
             return
         time.sleep(0.2)
 
@@ -106,9 +104,8 @@ def failure_report(run_dir: Path, alive: set[int], own_ranks: range | None = Non
     """The lines `dstrain run` prints after a failed run. `alive`: ranks still running when the launcher gave
     up (they were stopped because of another rank, not failed). `own_ranks`: this node's ranks, where other
     nodes run the rest (--no-ssh): another node's rank is said to have died only on its own node's record."""
-    directory = run_dir / rundir.RANKS
     started = _started(run_dir)
-    records = {r: directory / f"rank{r}.exit" for r in started}
+    records = {r: rundir.exit_record(run_dir, r) for r in started}
     texts = {r: text for r in started if (text := _record_text(records[r])) is not None}
     silent = [r for r in started if (r not in texts and r not in alive and (own_ranks is None or r in own_ranks))
               or texts.get(r, "").startswith(f"{rundir.DIED}: ")]

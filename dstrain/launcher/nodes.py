@@ -13,7 +13,8 @@ record the dead rank's own node writes (failures.record_deaths), or the rank's o
 and ends the job FAILED_GRACE_S later, when this node's ranks have not ended on their own. It also ends
 the job for the node that never comes (train.join_timeout_s, or `--join-timeout`) and the node that is
 there but gives no sign of life: stopped, frozen, cut off (train.liveness_timeout_s), which would
-otherwise hold every other node in a collective until the hang timeout, sized for long compiles. The first node to reach a verdict records it in the run directory
+otherwise hold every other node in a collective until the hang timeout, sized for long compiles. The
+first node to reach a verdict records it in the run directory
 (RUN_DIR/ranks/nodes.verdict, the silent ranks' exit records, an event in metrics.jsonl); the other nodes
 read it when their own ranks fail in turn. No torch here.
 """
@@ -256,7 +257,7 @@ class NodeSupervision:
             except OSError:
                 continue
             if text and text.partition(":")[0] not in NOT_FAILURES:
-                found[int(path.name[4:-5])] = text
+                found[rundir.record_rank(path)] = text
         return found
 
     def ended(self) -> bool:
@@ -317,7 +318,7 @@ def record_verdict(run_dir: Path, verdict: Verdict, before: tuple[int, int] | No
     summary = plain.splitlines()[0]
     for rank in verdict.ranks:
         try:
-            with open(directory / f"rank{rank}.exit", "x") as record:
+            with open(rundir.exit_record(run_dir, rank), "x") as record:
                 record.write(f"{verdict.kind}: {summary}")
         except OSError:
             pass  # it wrote its own
