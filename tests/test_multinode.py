@@ -291,6 +291,7 @@ STEPS = ("train.max_steps=6", "train.log_every=1", "train.save_every=3", "train.
 UNTIL_A_NODE_FAILS = ("train.max_steps=100000",)  # longer than any test waits: a node's failure ends the run
 KILL_BOUND_S = 20     # the survivors' collectives fail at once; the rest is a loaded CI machine's slack
 LIVENESS_S = 10       # train.liveness_timeout_s of the stop run (the default, 60 s, is for users)
+SAVE_EVERY = 12      # train.save_every of the stop run: steps between its checkpoints for the stop to land in
 JOIN_S = 8            # --join-timeout of the run whose node 1 never comes (300 s by default)
 # The runs below share nothing with the rest of this module: their tests may run on another xdist worker
 # (conftest.py), each group with its own fixture.
@@ -445,7 +446,10 @@ def two_nodes_then_one_stopped(tmp_path_factory):
     data = ("data.source=text", f"data.paths=[{text}]")
     shared, port = base / "run", str(free_port())
     logs = [base / "node0.txt", base / "node1.txt"]
-    sets = (*UNTIL_A_NODE_FAILS, *data, f"train.liveness_timeout_s={LIVENESS_S}")
+    # A checkpoint every SAVE_EVERY steps: the stop lands between the first and the second, however late this
+    # process sees the steps (CI's run of a3405f2 saw step 5 only once step 6's checkpoint of save_every=3 was
+    # written, and the two nodes had computed no step past the checkpoint left).
+    sets = (*UNTIL_A_NODE_FAILS, *data, f"train.liveness_timeout_s={LIVENESS_S}", f"train.save_every={SAVE_EVERY}")
     nodes = [node(shared, 0, port, sets, logs[0])]
     wait_for(shared / "ranks" / "rank0.pid", nodes)
     nodes.append(node(shared, 1, port, sets, logs[1]))  # the second node prints the lock's note (the command line)
@@ -464,10 +468,11 @@ def two_nodes_then_one_stopped(tmp_path_factory):
     before = losses(shared)
     records = {p.name: p.read_text() for p in (shared / "ranks").iterdir() if p.suffix in (".exit", ".verdict")}
     saved = int((shared / "checkpoints" / "latest").read_text().strip()[len("step"):])
+    last = max(sorted(before)[-1], saved + 2) + 1  # the resume repeats every step the two nodes logged past `saved`
     resumed = finish(dstrain_run(shared, "--gpus", "1", "--resume", "auto",
-                                 sets=(f"train.max_steps={saved + 3}", "train.grad_accum_steps=2", *data)))
+                                 sets=(f"train.max_steps={last}", "train.grad_accum_steps=2", *data)))
     return SimpleNamespace(shared=shared, node0=node0, node1=node1, stopped_pid=stopped_pid, before=before,
-                           records=records, saved=saved, resumed=resumed)
+                           records=records, saved=saved, last=last, resumed=resumed)
 
 
 @pytest.mark.integration
@@ -512,9 +517,9 @@ def test_the_job_resumes_on_the_node_left_from_the_last_complete_checkpoint(two_
     assert "universal checkpoint" in run.resumed.stdout
     assert f"resumed from step{run.saved:08d} at step {run.saved}" in run.resumed.stdout
     after = losses(run.shared)
-    assert sorted(after)[-1] == run.saved + 3
+    assert sorted(after)[-1] == run.last
     repeated = sorted(step for step in set(run.before) & set(after) if step > run.saved)
-    assert repeated, (run.saved, run.before)  # the two nodes went on past the checkpoint before the stop
+    assert repeated, (run.saved, run.before)  # the two nodes went on past the checkpoint (else: raise SAVE_EVERY)
     for step in repeated:  # computed by two nodes before the stop, again by one rank (accum 2) after the resume
         assert after[step] == pytest.approx(run.before[step], rel=1e-4), (step, after, run.before)
 
