@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 CHUNK = 1 << 23
@@ -60,7 +61,9 @@ def host_adam_gb_s(elements: int, repeats: int = 3) -> tuple[float | None, str]:
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+    from dstrain.op_cache import remember_cpu_info, use_private_op_cache
     from dstrain.speedups.cpu_adam_nogil import adam_without_gil
+    remember_cpu_info(use_private_op_cache(os.environ, "cpu"))  # the op cache dstrain's CPU ranks use
     master = torch.nn.Parameter(torch.randn(elements) * 0.02)
     adam = DeepSpeedCPUAdam([master], lr=1e-4, weight_decay=0.1)
     op = adam_without_gil(adam)

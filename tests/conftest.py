@@ -50,9 +50,11 @@ def transformers_missing(monkeypatch):
 _GATE_WAITS: list[float] = []  # seconds each process's tests waited for the op build (tests/op_gate.py)
 _LANE_SECONDS = {"fast lane (not integration)": 0.0, "launcher lane (integration)": 0.0}
 _LAUNCHES = LaunchCounter()
+CPU_REPORT_TESTS = 25  # tests named in the end-of-run CPU list
 _OP_BUILD: subprocess.Popen | None = None
 _OP_BUILD_LOG = Path(tempfile.gettempdir()) / f"dstrain-tests-build-ops-{os.getpid()}.log"
 _OP_BUILD_SAID: list[str] = []  # the build's summary line, from whichever process ran it
+_TEST_CPU: dict[str, float] = {}  # CPU seconds of each test (pytest_runtest_protocol), printed at the end
 
 # Groups other than a test's module: the launching fixtures several tests read (they run once, on one worker),
 # and the modules whose launcher tests share nothing (each test a group of its own; test_run's presets by preset).
@@ -81,6 +83,10 @@ def _controller(config) -> bool:
 def pytest_sessionstart(session):
     if not _controller(session.config):
         _LAUNCHES.start()
+        # In-process engines load DeepSpeed's CPU ops, and DeepSpeed asks py-cpuinfo twice per op: a Python
+        # subprocess, 1 s of CPU each time. Answered once per machine, as dstrain's ranks are.
+        from dstrain.op_cache import op_cache, remember_cpu_info
+        remember_cpu_info(op_cache(os.environ, "cpu")[0])
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -181,8 +187,19 @@ def pytest_runtest_setup(item):
         op_gate.wait_for_ops(nvme="nvme" in item.nodeid)
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _LAUNCHES.current_test = item.nodeid  # a module or session fixture's launch counts for the test that set it up
+    before = _cpu_seconds()
+    yield
+    _TEST_CPU[item.nodeid] = _cpu_seconds() - before
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU and that of the children it waited for (a launch's ranks are the launcher's children,
+    the launcher the CLI's, the CLI this process's or its own): the cost of a test, fixtures included."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def pytest_runtest_logreport(report):
@@ -196,6 +213,7 @@ def pytest_testnodedown(node, error):
     _LAUNCHES.add(output.get("launches", {}))
     _OP_BUILD_SAID.extend(output.get("op_build", []))
     _GATE_WAITS.append(output.get("op_gate_waited_s", 0.0))
+    _TEST_CPU.update(output.get("test_cpu", {}))
 
 
 def pytest_sessionfinish(session):
@@ -212,6 +230,7 @@ def pytest_sessionfinish(session):
         session.config.workeroutput["launches"] = _LAUNCHES.counts()
         session.config.workeroutput["op_build"] = _OP_BUILD_SAID
         session.config.workeroutput["op_gate_waited_s"] = op_gate.waited_seconds()
+        session.config.workeroutput["test_cpu"] = _TEST_CPU
         return
     _GATE_WAITS.append(op_gate.waited_seconds())
     if _LAUNCHES.over_budget() and session.exitstatus == pytest.ExitCode.OK:
@@ -230,6 +249,12 @@ def pytest_terminal_summary(terminalreporter):
                                     f"(all workers, tests/op_gate.py)")
     for line in _LAUNCHES.report():
         terminalreporter.write_line(line)
+    if _TEST_CPU:
+        ranked = sorted(_TEST_CPU.items(), key=lambda item: -item[1])
+        terminalreporter.write_line(f"CPU of the tests: {sum(_TEST_CPU.values()):.0f} s (each test's process and the "
+                                    f"processes it waited for; the op build apart); the most:")
+        for nodeid, seconds in ranked[:CPU_REPORT_TESTS]:
+            terminalreporter.write_line(f"  {seconds:7.1f} s  {nodeid}")
 
 
 # Tiny Hugging Face model folders (tests/hf_models.py), one per test module that asks.

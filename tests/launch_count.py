@@ -21,42 +21,61 @@ RANK_BUDGET = 190
 _LAUNCHERS = ("deepspeed.launcher.launch", "torch.distributed.run", "bin/torchrun")
 # One-rank or few-rank processes a test starts itself (tests/one_rank.py, tests/scripts/).
 _OWN_RANKS = ("init_distributed", "-m\0scripts.")
-_POLL_S = 0.2  # a rank lives seconds (it imports torch), so a 0.2 s look sees every one
+# A rank lives seconds (it imports torch first), so a look every second sees every one. Each look reads
+# every process's stat once (about 1 ms for 100 processes): at 0.2 s, with a file read per ancestor, the three
+# workers of a CI run spent minutes of CPU watching.
+_POLL_S = 1.0
+
+
+def _read(path: str) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
+    return _read(f"/proc/{pid}/cmdline").decode(errors="replace")
 
 
 def _parent_and_start(pid: str) -> tuple[str, str] | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[-1].split()
+    if len(fields) < 20:
         return None
-    return fields[1], fields[19]  # ppid, start time in clock ticks (pids are reused; the pair is not)
+    return fields[1].decode(), fields[19].decode()  # ppid, start time in clock ticks (pids are reused; the pair is not)
 
 
-def _descends_from(parent: str, ancestor: str) -> bool:
+def _descends_from(parent: str, ancestor: str, processes: dict[str, tuple[str, str]]) -> bool:
     """Whether a process whose parent is `parent` was started (at any depth) by `ancestor`: only this session's
-    ranks count, not those of another pytest on the same machine."""
+    ranks count, not those of another pytest on the same machine. `processes`: pid -> (ppid, start), one look's."""
     for _ in range(32):
         if parent == ancestor:
             return True
-        facts = _parent_and_start(parent)
+        facts = processes.get(parent)
         if facts is None or parent in ("0", "1"):
             return False
         parent = facts[0]
     return False
 
 
+# In the command line of the processes tests/test_launch_count.py starts: counted by that test's own counter,
+# never by the session's.
+SELF_TEST_MARK = "launch-count-self-test"
+
+
 class LaunchCounter:
-    def __init__(self):
+    def __init__(self, self_test: bool = False):
+        self.self_test = self_test
         self.current_test = "(session start)"
         self.ranks: dict[tuple[str, str], str] = {}  # (pid, start) -> the test that was running
         self.launchers: dict[tuple[str, str], str] = {}
+        self._elsewhere: set[tuple[str, str]] = set()  # processes that are not this session's descendants
         self._added: list[dict] = []  # the workers' counts, in an xdist controller
         self._counting = Path("/proc/self/stat").exists()  # Linux; elsewhere nothing is counted, and the report says so
         self._stop = threading.Event()
@@ -78,22 +97,24 @@ class LaunchCounter:
 
     def _look(self) -> None:
         me = str(os.getpid())
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            if pid == me:
+        processes = {pid: facts for pid in filter(str.isdigit, os.listdir("/proc"))
+                     if (facts := _parent_and_start(pid)) is not None}
+        for pid, (parent, start) in processes.items():
+            key = (pid, start)
+            if pid == me or key in self.ranks or key in self.launchers or key in self._elsewhere:
                 continue
-            facts = _parent_and_start(pid)
-            if facts is None or (pid, facts[1]) in self.ranks or (pid, facts[1]) in self.launchers:
+            if not _descends_from(parent, me, processes):
+                self._elsewhere.add(key)  # a process another one started: never this session's (its parent stays)
                 continue
             command = _cmdline(pid)
-            if "python" not in os.path.basename(command.split("\0", 1)[0]) or not _descends_from(facts[0], me):
+            if "python" not in os.path.basename(command.split("\0", 1)[0]) or (SELF_TEST_MARK in command) != self.self_test:
                 continue
-            key = (pid, facts[1])
             if "deepspeed.launcher.launch" in command:
                 self.launchers[key] = self.current_test
             elif "scripts.build_ops" in command:  # conftest's op build joins no process group
                 continue
             elif any(mark in command for mark in _OWN_RANKS) or any(
-                    mark in _cmdline(facts[0]) for mark in _LAUNCHERS):
+                    mark in _cmdline(parent) for mark in _LAUNCHERS):
                 self.ranks[key] = self.current_test
 
     def counts(self) -> dict:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
-from scripts.pch_cxx import header_flags
+from scripts.pch_cxx import header_flags, includes_torch
 import op_gate
 
 TORCH = "/venv/lib/python3.11/site-packages/torch/include"
@@ -29,6 +30,26 @@ def test_links_version_checks_and_sources_without_torch_pass_through():
     assert header_flags(["a.o", "b.o", "-shared", "-o", "op.so"]) is None
     assert header_flags(["-dumpfullversion", "-dumpversion"]) is None
     assert header_flags(["-O3", "-c", "test.c", "-o", "test.o"]) is None
+
+
+def test_the_header_goes_only_to_sources_that_include_torch_themselves_or_through_their_own_headers(tmp_path):
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "plain.h").write_text("#include <vector>\n#include \"deeper.h\"\n")
+    (tmp_path / "inc" / "deeper.h").write_text("#pragma once\n")
+    (tmp_path / "inc" / "binding.h").write_text("#pragma once\n  #  include <torch/extension.h>\n")
+    (tmp_path / "plain.cpp").write_text('#include "plain.h"\nint f() { return 1; }\n')
+    (tmp_path / "binding.cpp").write_text('#include "plain.h"\n#include "binding.h"\n')
+    args = lambda source: ["-I", str(tmp_path / "inc"), "-c", str(tmp_path / source), "-o", "x.o"]
+    assert not includes_torch(args("plain.cpp"))
+    assert includes_torch(args("binding.cpp"))  # through its own header, found in an -I folder
+    assert includes_torch(args("missing.cpp"))  # unreadable: as torch would compile it
+    # DeepSpeed's own async_io sources, as its build names them: the type definitions include no torch header.
+    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
+    builder = AsyncIOBuilder()
+    folders = [arg for folder in builder.include_paths() for arg in ("-I", builder.deepspeed_src_path(folder))]
+    sources = {Path(source).name: builder.deepspeed_src_path(source) for source in builder.sources()}
+    assert not includes_torch([*folders, "-c", sources["deepspeed_aio_types.cpp"]])
+    assert includes_torch([*folders, "-c", sources["py_ds_aio.cpp"]])
 
 
 def test_a_test_waits_at_the_gate_until_the_build_opens_it(tmp_path, monkeypatch):

@@ -38,9 +38,9 @@ def main() -> None:
 
 
 def _build_base(said: list[str]) -> None:
-    from dstrain.op_cache import use_private_op_cache
+    from dstrain.op_cache import remember_cpu_info, use_private_op_cache
     os.environ["DS_ACCELERATOR"] = "cpu"
-    use_private_op_cache(os.environ, "cpu")
+    remember_cpu_info(use_private_op_cache(os.environ, "cpu"))  # DeepSpeed asks twice per op, 1 s of CPU each
     _compile_with_precompiled_headers()
     _build(BUILDERS, said)
     # dstrain's GIL-free Adam, where the speed layer applies (a verified DeepSpeed)
