@@ -4,6 +4,7 @@ during the checks, ends them before they touch anything. Real launcher, CPU rank
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import TINY, assert_ok
+from launcher import TINY, assert_ok, losses
 
 pytestmark = pytest.mark.integration
 
@@ -65,12 +66,20 @@ def _wait_for(predicate, timeout: float) -> bool:
 
 
 def test_ranks_started_during_the_checks_train_and_leave_no_gate_behind(tmp_path):
+    """Also the run of train.save_checkpoints=false (formerly a one-rank run of its own in test_run.py): it trains
+    and evaluates, and writes no checkpoint, though save_every asks for one every step."""
     run_dir = tmp_path / "ok"
-    process = _run(tmp_path, run_dir, "train.max_steps=2", "train.save_checkpoints=false")
+    process = _run(tmp_path, run_dir, "train.max_steps=3", "train.save_every=1", "train.log_every=1",
+                   "train.save_checkpoints=false")
     out, err = process.communicate(timeout=600)
     assert_ok(subprocess.CompletedProcess(process.args, process.returncode, out, err))
-    assert "ready in" in out and "step 2/2" in out
+    assert "ready in" in out and "step 3/3" in out
     assert _gate_folders(tmp_path) == []
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in record for record in records)  # the final evaluation still runs
+    checkpoints = run_dir / "checkpoints"
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())
 
 
 def test_a_check_that_fails_ends_the_ranks_started_early_and_writes_nothing(tmp_path):

@@ -399,7 +399,6 @@ def two_nodes_then_one_killed(tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.oldest_deepspeed
 def test_two_nodes_with_one_rank_each_train_exactly_like_one_node_with_two_ranks(two_nodes_then_one_killed):
     run = two_nodes_then_one_killed
     shared, single = run.shared, run.single

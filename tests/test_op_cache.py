@@ -28,13 +28,21 @@ from dstrain.launcher.runner import rank_env
 print(json.dumps(rank_env("cpu", 1)["TORCH_EXTENSIONS_DIR"]))
 """
 
-# What a rank does when it loads an op: torch's JIT load, by name, into TORCH_EXTENSIONS_DIR.
+# What a rank does when it loads an op: torch's JIT load, by name, into TORCH_EXTENSIONS_DIR. The probe is a
+# plain CPython extension (no torch header: under 1 s to compile, where torch/extension.h alone costs ~35 s of
+# CPU); torch builds, caches and imports it as it does DeepSpeed's ops.
+PROBE_SOURCE = """
+#include <Python.h>
+static PyObject* add_one(PyObject*, PyObject* arg) { return PyLong_FromLongLong(PyLong_AsLongLong(arg) + 1); }
+static PyMethodDef methods[] = {{"add_one", add_one, METH_O, nullptr}, {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, "dstrain_op_cache_probe", nullptr, -1, methods};
+PyMODINIT_FUNC PyInit_dstrain_op_cache_probe() { return PyModule_Create(&module); }
+"""
 LOAD_OP = """
 import os, time
 import torch.utils.cpp_extension as cpp
 started = time.perf_counter()
-op = cpp.load_inline(name="dstrain_op_cache_probe", cpp_sources="int64_t add_one(int64_t x) { return x + 1; }",
-                     functions=["add_one"], extra_cflags=["-O0"])
+op = cpp.load(name="dstrain_op_cache_probe", sources=[os.environ["PROBE_SOURCE"]], extra_cflags=["-O0"])
 assert op.add_one(41) == 42
 print(time.perf_counter() - started)
 """
@@ -56,7 +64,7 @@ def in_venv(python: Path, code: str, env: dict) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # two venvs and three interpreters; no rank, no DeepSpeed op
 def test_two_venvs_build_apart_and_a_second_start_finds_its_build(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "PYTHONPATH", "VIRTUAL_ENV")}
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # not the machine's real cache
@@ -67,7 +75,9 @@ def test_two_venvs_build_apart_and_a_second_start_finds_its_build(tmp_path):
     for venv, folder in ((tmp_path / "venv_a", folder_a), (tmp_path / "venv_b", folder_b)):
         assert json.loads((folder / "environment.json").read_text())["environment"] == str(venv.resolve())
 
-    ranks_a = {**env, "TORCH_EXTENSIONS_DIR": str(folder_a)}
+    source = tmp_path / "probe.cpp"
+    source.write_text(PROBE_SOURCE)
+    ranks_a = {**env, "TORCH_EXTENSIONS_DIR": str(folder_a), "PROBE_SOURCE": str(source)}
     built_s = float(in_venv(first, LOAD_OP, ranks_a))
     library = folder_a / "dstrain_op_cache_probe" / "dstrain_op_cache_probe.so"
     built_at = library.stat().st_mtime_ns
