@@ -50,7 +50,7 @@ def transformers_missing(monkeypatch):
 _GATE_WAITS: list[float] = []  # seconds each process's tests waited for the op build (tests/op_gate.py)
 _LANE_SECONDS = {"fast lane (not integration)": 0.0, "launcher lane (integration)": 0.0}
 _LAUNCHES = LaunchCounter()
-CPU_REPORT_TESTS = 25  # tests named in the end-of-run CPU list
+CPU_REPORT_TESTS = 40  # tests named in the end-of-run CPU list
 _OP_BUILD: subprocess.Popen | None = None
 _OP_BUILD_LOG = Path(tempfile.gettempdir()) / f"dstrain-tests-build-ops-{os.getpid()}.log"
 _OP_BUILD_SAID: list[str] = []  # the build's summary line, from whichever process ran it

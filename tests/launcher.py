@@ -13,23 +13,24 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "data.seq_len=3
         "train.eval_batches=2"]
 
 
-def dstrain(*args: str, timeout: float = 600, env: dict | None = None,
-            in_process: bool = True) -> subprocess.CompletedProcess:
+def dstrain(*args: str, timeout: float = 600, env: dict | None = None, in_process: bool = True,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run a dstrain command as a user would and capture its output.
 
     In-process by default: the CLI's own code (Typer app, checks, plan, the real `deepspeed` launcher and its
     ranks, supervision) runs in this test process, which has torch and DeepSpeed imported already, so a launch
     does not pay a fresh interpreter's ~4 s of CPU for those imports. `in_process=False` (or
     DSTRAIN_TESTS_CLI_SUBPROCESS=1 for the whole session) runs `python -m dstrain.cli` instead, for tests
-    of the process itself: its signals, its imports, its exit."""
+    of the process itself: its signals, its imports, its exit. `cwd`: the folder it runs in (a user's modules
+    next to the config are found there, as `python -m` finds them)."""
     if not in_process or os.environ.get("DSTRAIN_TESTS_CLI_SUBPROCESS") == "1":
         full_env = {**os.environ, **(env or {})}
         return subprocess.run([sys.executable, "-m", "dstrain.cli", *args], capture_output=True, text=True,
-                              timeout=timeout, env=full_env)
-    return _dstrain_in_process(list(args), timeout, env or {})
+                              timeout=timeout, env=full_env, cwd=cwd)
+    return _dstrain_in_process(list(args), timeout, env or {}, cwd)
 
 
-def _dstrain_in_process(args: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
+def _dstrain_in_process(args: list[str], timeout: float, env: dict, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The CLI in this process, with what a command changes put back afterwards: the environment (the CLI
     sets DeepSpeed's accelerator and op cache for its ranks), sys.path, modules imported from outside the
     installed packages (a user's model module of one test must not be another test's), the signal handlers
@@ -44,13 +45,17 @@ def _dstrain_in_process(args: list[str], timeout: float, env: dict) -> subproces
 
     saved_env, saved_path, saved_modules = dict(os.environ), list(sys.path), set(sys.modules)
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    saved_cwd = os.getcwd()
     os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     faulthandler.dump_traceback_later(timeout, exit=True)
     try:
         with warnings.catch_warnings():
             result = _runner().invoke(app, args)
     finally:
         faulthandler.cancel_dump_traceback_later()
+        os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
         sys.path[:] = saved_path

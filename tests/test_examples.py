@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from typer.testing import CliRunner
 from dstrain.cli import app
 from dstrain.config.resolve import resolve
 from dstrain.launcher.topology import read_hostfile
+from launcher import dstrain
 
 REPO = Path(__file__).parent.parent
 EXAMPLES = REPO / "examples"
@@ -96,12 +96,10 @@ def test_bert_masking_follows_berts_rule_and_is_fixed_per_item(at_repo_root):
 # Each example trains, tiny, through the real launcher
 
 def train(example: str, run_dir: Path, *sets: str, env: dict | None = None) -> dict[int, float]:
-    args = [sys.executable, "-m", "dstrain.cli", "run", "--config", str(EXAMPLES / example), "--accelerator", "cpu",
-            "--gpus", "2", "--run-dir", str(run_dir)]
+    args = ["run", "--config", str(EXAMPLES / example), "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir)]
     for item in ("train.log_every=1", "train.eval_batches=2", *sets):
         args += ["--set", item]
-    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "COLUMNS": "250", **(env or {})})
+    result = dstrain(*args, cwd=REPO, env={"COLUMNS": "250", **(env or {})})  # in this process, from the checkout
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return trained(run_dir)
 

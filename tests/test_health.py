@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,7 @@ from dstrain.rank.cadence import EarlyStop, SaveClock
 from dstrain.rank.health import Detector, HealthState, data_step, rollback_target, samples_of
 from dstrain.launcher.supervise import every_rank_gave_up
 from dstrain.rundir import CHECKPOINTS, GAVE_UP, HEALTH, RANKS
-from launcher import assert_ok, run_tiny
+from launcher import assert_ok, dstrain, run_tiny
 
 USER_CODE = Path(__file__).parent / "user_code"
 
@@ -249,8 +246,7 @@ def poisoned_run(run_dir: Path, max_steps: int, poison: list[int], resume: str |
         args += ["--set", item]
     if resume:
         args += ["--resume", resume]
-    return subprocess.run([sys.executable, "-m", "dstrain.cli", *args], cwd=USER_CODE, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "COLUMNS": "250"})
+    return dstrain(*args, cwd=USER_CODE, env={"COLUMNS": "250"})  # in this process, from the user's folder
 
 
 @pytest.mark.integration

@@ -8,9 +8,7 @@ whose usermods.py is written as a user would write it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ from dstrain.data.sampler import WindowSampler, rank_batch
 from dstrain.data.sources import ConcatTokens, load_tokens, split
 from dstrain.errors import UserError
 from dstrain.models import model_builder
+from launcher import dstrain
 
 USER_CODE = Path(__file__).parent / "user_code"
 
@@ -258,8 +257,7 @@ def test_a_bad_data_entry_point_exits_2_at_dry_run(in_user_code):
 # A user model, end to end through the launcher
 
 def dstrain_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dstrain.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "COLUMNS": "250"})
+    return dstrain(*args, cwd=cwd, env={"COLUMNS": "250"})  # in this process, from the user's folder
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
