@@ -35,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the suite runs from a source checkout, installed or not
+sys.path.insert(0, str(REPO / "benchmarks"))  # run_record beside it, also when a test loads this file by path
 from run_record import versions  # noqa: E402
 
 _RUNNING: list[int] = []  # the row command in flight, killed with its tree if the suite is stopped
