@@ -136,9 +136,13 @@ def test_a_key_moved_out_of_zero_optimization_says_where_it_belongs(tmp_path):
     assert "fix: it belongs at the top level: move it to deepspeed.aio" in message
 
 
-@pytest.mark.skipif(DEEPSPEED < (0, 19), reason="DeepSpeed 0.18 still accepts sparse_attention: so does dstrain")
-def test_a_key_deepspeed_has_removed_is_an_error(tmp_path):
-    message, _ = _fails(tmp_path, {"sparse_attention": {"mode": "fixed"}})
+def test_a_key_deepspeed_has_removed_is_an_error_where_the_installed_deepspeed_removed_it(tmp_path):
+    ds = {"sparse_attention": {"mode": "fixed"}}
+    if DEEPSPEED < (0, 19):  # DeepSpeed 0.18 still accepts sparse_attention: so does dstrain
+        resolved, _ = _resolve_ds(tmp_path, ds)
+        assert resolved.config.deepspeed["sparse_attention"] == {"mode": "fixed"}
+        return
+    message, _ = _fails(tmp_path, ds)
     assert "deepspeed.sparse_attention: DeepSpeed has removed this key and refuses configs that have it" in message
 
 
@@ -230,9 +234,13 @@ def test_max_grad_norm_in_the_optimizer_params_is_refused_as_deepspeeds_engine_r
     assert "clipping is deepspeed.gradient_clipping" in message
 
 
-@pytest.mark.skipif(DEEPSPEED < (0, 19), reason="DeepSpeed 0.18 accepts a reduce bucket of 0: so does dstrain")
-def test_reduce_bucket_size_zero_is_refused_as_deepspeed_refuses_it(tmp_path):
-    message, _ = _fails(tmp_path, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}})
+def test_reduce_bucket_size_zero_is_refused_where_the_installed_deepspeed_refuses_it(tmp_path):
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}
+    if DEEPSPEED < (0, 19):  # DeepSpeed 0.18 accepts a reduce bucket of 0: so does dstrain
+        resolved, _ = _resolve_ds(tmp_path, ds)
+        assert resolved.config.deepspeed["zero_optimization"]["reduce_bucket_size"] == 0
+        return
+    message, _ = _fails(tmp_path, ds)
     assert "deepspeed.zero_optimization.reduce_bucket_size: must be positive (got 0)" in message
 
 
