@@ -1,6 +1,7 @@
 """What a rank's start costs before its first step: DeepSpeed's Muon module imported without
-TorchInductor (dstrain/speedups/muon_lazy_compile.py) and py-cpuinfo asked once per machine
-(dstrain/op_cache.py remember_cpu_info). Measured figures are in docs/performance.md, "Start-up"."""
+TorchInductor (dstrain/speedups/muon_lazy_compile.py), torch._dynamo imported only when something compiles
+(dstrain/speedups/dynamo_lazy_import.py) and py-cpuinfo asked once per machine (dstrain/op_cache.py
+remember_cpu_info). Measured figures are in docs/performance.md, "Start-up"."""
 
 from __future__ import annotations
 
@@ -73,6 +74,70 @@ print(json.dumps({"before": before, "after": applies(engine=object()),
     facts = json.loads(out.stdout.strip().splitlines()[-1])
     assert facts == {"before": None, "after": None, "muon": True, "inductor": False, "lazy": True,
                      "adamw": True, "sgd": False, "muon_listed": True}
+
+
+@pytest.mark.slow
+def test_a_zero3_engine_trains_checkpoints_and_saves_without_torch_dynamo_and_compiling_still_works():
+    """In a fresh rank-like process: a ZeRO-3 engine built as the ranks build it, with DeepSpeed's activation
+    checkpointing, trains two steps and gives its optimizer state without importing torch._dynamo; the same
+    run with the switch off (torch's marks, torch._dynamo imported) ends at the same weights to the bit; once
+    torch._dynamo is imported, torch's own marks are back and a compiled function that checkpoints and
+    zeroes gradients runs."""
+    from dstrain.speedups.registry import unverified
+    if unverified():
+        pytest.skip(unverified())
+    from one_rank import run_one_rank
+
+    facts = run_one_rank("""
+        from dstrain.config.schema import SpeedupsConfig
+        from dstrain.speedups import building_engine
+        from dstrain.speedups import dynamo_lazy_import as lazy
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+            def forward(self, x):
+                return self.b(deepspeed.checkpointing.checkpoint(lambda h: torch.nn.functional.gelu(self.a(h)), x))
+
+        def train(switch):
+            torch.manual_seed(0)
+            config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+                      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+            with building_engine(SpeedupsConfig(dynamo_lazy_import=switch)):
+                engine, *_ = deepspeed.initialize(model=Net(), config=config)
+            deepspeed.checkpointing.configure(None)
+            for step in range(2):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+                loss = engine(x).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+            engine.optimizer.state_dict()
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                return [p.detach().clone() for p in engine.module.parameters()]
+
+        lazy_weights = train(True)
+        facts = {"dynamo_after_lazy_run": "torch._dynamo" in sys.modules, "stand_ins": len(lazy._marked)}
+        stock_weights = train(False)
+        facts["dynamo_after_stock_run"] = "torch._dynamo" in sys.modules
+        facts["same_weights"] = all(torch.equal(a, b) for a, b in zip(lazy_weights, stock_weights))
+        facts["stand_ins_left"] = len(lazy._marked)
+        facts["marks_are_torchs"] = all(
+            getattr(f.__wrapped__, "__dynamo_disable", None) is not f.__wrapped__
+            for f in (torch.optim.Optimizer.zero_grad, torch.utils.checkpoint.checkpoint))
+
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+        def step(x):
+            opt.zero_grad()
+            return torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False) * 2
+        x = torch.randn(3)
+        facts["compiled_runs"] = torch.equal(torch.compile(step, backend="eager")(x), torch.sin(x) * 2)
+        result(facts)
+    """)
+    assert facts.pop("stand_ins") > 4  # the optimizer's four, DeepSpeed's checkpoint and coordinator, ...
+    assert facts == {"dynamo_after_lazy_run": False, "dynamo_after_stock_run": True, "same_weights": True,
+                     "stand_ins_left": 0, "marks_are_torchs": True, "compiled_runs": True}
 
 
 def test_cpu_info_is_asked_once_per_machine_and_read_back_by_later_processes(tmp_path, monkeypatch):

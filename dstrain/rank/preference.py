@@ -97,7 +97,9 @@ def build_reference(config, ds_config: dict, device, policy_rng: dict):
         for key in ("optimizer", "scheduler"):
             frozen.pop(key, None)
         frozen["zero_optimization"].pop("offload_optimizer", None)
-        engine, *_ = deepspeed.initialize(model=model, config=frozen)
+        from dstrain.speedups import building_engine
+        with building_engine(config.speedups):  # as the policy's: the same start-up changes
+            engine, *_ = deepspeed.initialize(model=model, config=frozen)
         engine.eval()
         return engine.module
     if (ds_config.get("bf16") or {}).get("enabled"):

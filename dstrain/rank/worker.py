@@ -62,13 +62,12 @@ _waited_at_gate_s = 0.0  # time spent at the start gate, for the "ready" line
 
 
 def prepare_while_checks_run() -> None:
-    """What every rank does first anyway, done while `dstrain run` still checks: the imports (torch's
-    first optimizer imports torch._dynamo, seconds) and, on a GPU, the CUDA context. Best effort: a
-    failure here shows again, reported, when the rank does the same after the gate."""
+    """What every rank does first anyway, done while `dstrain run` still checks: the imports and, on a GPU,
+    the CUDA context (not torch._dynamo: dstrain/speedups/dynamo_lazy_import.py). Best effort: a failure
+    here shows again, reported, when the rank does the same after the gate."""
     try:
         import torch
         import deepspeed  # noqa: F401
-        import torch._dynamo  # noqa: F401
         from dstrain import data, models  # noqa: F401
         from dstrain.rank import checkpointing, loop, metrics  # noqa: F401
         if os.environ.get("DS_ACCELERATOR") == "cuda" and torch.cuda.is_available():

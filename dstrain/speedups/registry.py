@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstrain.speedups import (cpu_adam_nogil, cuda_stream, offload_accumulate_zero3, offload_accumulate_zero12,
+from dstrain.speedups import (cpu_adam_nogil, cuda_stream, dynamo_lazy_import, offload_accumulate_zero3, offload_accumulate_zero12,
                               offload_chunked_step, offload_chunked_step_zero3, offload_fetch_wait, offload_grads_zero3,
                               offload_keep_weights, offload_overlap_zero3, offload_syncs, muon_lazy_compile,
                               zero3_flatten, zero3_grads, zero3_step, zero3_unhook)
@@ -101,6 +101,13 @@ REGISTRY: tuple[Speedup, ...] = (
             "muon_lazy_compile", muon_lazy_compile.applies,
             lambda engine, settings, state: muon_lazy_compile.muon_imported_lazily(),
             "Muon's kernels compiled at first use, not at import", "Engine build", phase=ENGINE_BUILD),
+    Speedup("dynamo_lazy_import", ("deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module"
+                                   " (its torch.compiler.disable, while the engine is built)",
+                                   "deepspeed.runtime.compiler.lazy_disable's marks, and torch.optim's and "
+                                   "torch.utils.checkpoint's (torch._disable_dynamo), while torch._dynamo is not imported"),
+            "dynamo_lazy_import", dynamo_lazy_import.applies,
+            lambda engine, settings, state: dynamo_lazy_import.dynamo_imported_when_needed(),
+            "torch's compiler imported when something compiles", "Engine build", phase=ENGINE_BUILD),
     Speedup("cpu_adam_nogil", ("deepspeed.ops.adam.DeepSpeedCPUAdam.ds_opt_adam (its binding, for dstrain's updates)",),
             "cpu_adam_nogil", cpu_adam_nogil.applies,
             lambda engine, settings, state: cpu_adam_nogil.install(engine, state),
