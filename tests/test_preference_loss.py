@@ -71,7 +71,7 @@ def test_chunked_log_probs_have_autograds_gradients(bias):
     reference = torch.where(labels != -100, picked, 0)
     inputs = [hidden, weight] + ([b] if bias else [])
     want = torch.autograd.grad((reference * upstream).sum(), inputs)
-    from_head = pl.head_token_logps(hidden, weight, labels, b, chunk=4)
+    from_head = pl.head_token_logps(hidden, weight, labels, b, chunk=4, vocab_slice=5)  # 23 rows: 5 slices
     got = torch.autograd.grad((from_head * upstream).sum(), inputs)
     from_logits = pl.token_logps(F.linear(hidden, weight, b), labels, chunk=5)
     got_logits = torch.autograd.grad((from_logits * upstream).sum(), inputs)
