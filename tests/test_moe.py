@@ -281,7 +281,7 @@ def test_lora_on_a_moe_models_attention_trains_packed_rows_and_merges_into_the_p
         assert (exported(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item() < 1e-5
 
 
-def test_a_transformers_without_the_loading_functions_is_refused_naming_the_version(monkeypatch):
+def test_a_transformers_without_the_loading_functions_is_refused_naming_the_version_where_it_needs_them(monkeypatch):
     """transformers 5.17 has the conversion mapping but no apply_renamings: a clear exit, not an ImportError
     in every rank."""
     from transformers import core_model_loading
@@ -292,3 +292,16 @@ def test_a_transformers_without_the_loading_functions_is_refused_naming_the_vers
     with pytest.raises(UserError) as refused:
         conversion._require_loading_functions()
     assert "apply_renamings" in str(refused.value) and transformers.__version__ in str(refused.value)
+
+    # What the loader does there: a model stored in its own layout loads (only legacy renamings in its
+    # mapping), one whose layers transformers converts is refused with that message.
+    from hf_families import config_of
+    with torch.device("meta"):
+        dense = transformers.AutoModelForCausalLM.from_config(config_of("qwen2"))
+        moe = transformers.AutoModelForCausalLM.from_config(config_of("qwen3_moe"))
+    stored = [conversion.StoredTensor(name, tuple(t.shape), lambda: None) for name, t in dense.state_dict().items()]
+    groups, unexpected = conversion.load_router(dense)(stored, set(dense.state_dict()))
+    assert unexpected == [] and sorted(g.target for g in groups) == sorted(dense.state_dict())
+    with pytest.raises(UserError) as refused:
+        conversion.load_router(moe)
+    assert "apply_renamings" in str(refused.value)

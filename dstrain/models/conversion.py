@@ -91,12 +91,28 @@ def _mapping(model: nn.Module, add_legacy: bool) -> list | None:
 _LOADING_FUNCTIONS = ("rename_source_key", "apply_renamings", "apply_converters")
 
 
+def _missing_loading_functions() -> list[str]:
+    from transformers import core_model_loading
+    return [name for name in _LOADING_FUNCTIONS if not hasattr(core_model_loading, name)]
+
+
+def _converts_its_own_layout(model: nn.Module) -> bool:
+    """Whether MODEL's mapping holds more than transformers' legacy renamings (gamma/beta, for checkpoints of
+    years ago) and base-model prefix changes: a fused or renamed layer (mixture-of-experts models, GPT-NeoX's
+    head), which needs the loading functions."""
+    mapping = _mapping(model, add_legacy=False) or []
+    try:
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:
+        return bool(mapping)
+    return any(not isinstance(m, PrefixChange) for m in mapping)
+
+
 def _require_loading_functions() -> None:
     """transformers versions that have a conversion mapping but not all the functions that apply it (5.17
     has no apply_renamings) would stop every rank with an ImportError at load: say so instead."""
     import transformers
-    from transformers import core_model_loading
-    missing = [name for name in _LOADING_FUNCTIONS if not hasattr(core_model_loading, name)]
+    missing = _missing_loading_functions()
     if missing:
         raise UserError.single(f"transformers {transformers.__version__} converts this model's checkpoint when it "
                                f"loads it, but has no {', '.join(missing)} (transformers.core_model_loading), "
@@ -129,6 +145,10 @@ def load_router(model: nn.Module) -> Callable[[list[StoredTensor], set[str]], tu
     stored name stays as it is."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     mapping = _mapping(model, add_legacy=True)
+    if mapping and _missing_loading_functions() and not _converts_its_own_layout(model):
+        # transformers 5.17 (no apply_renamings) and a model stored in its own layout (Llama, Qwen2, ...):
+        # keys as stored, the prefix handled below; a key that needed a legacy renaming is named as unknown.
+        mapping = None
     if mapping:
         _require_loading_functions()
         from transformers.core_model_loading import rename_source_key
