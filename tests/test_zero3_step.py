@@ -1,5 +1,6 @@
 """dstrain/speedups/zero3_step.py: ZeRO-3's step with the release, the norm and the persistent parameters'
-gather batched trains as DeepSpeed's own step does: the same weights to the bit without clipping, the
+gather batched, and each update reading the gradient buffer instead of a flattened copy, trains as
+DeepSpeed's own step does: the same weights to the bit without clipping, the
 same norms to rounding, the same skipped steps; and the gather after the step is one collective instead
 of one a parameter (real engines, one rank and two CPU ranks in subprocesses so their process groups
 stay out of the test process: tests/scripts/zero3_step.py). Integration lane: DeepSpeed start-up."""
@@ -45,6 +46,10 @@ def _assert_trains_as_deepspeed(out: dict, ranks: int) -> None:
         assert ours["statuses_right"] and theirs["statuses_right"], key
         assert ours["persistent"] == theirs["persistent"] == 4, key  # three biases and the last weight
         updates = 4 - ours["skipped"]
+        # each sub-group's update read the gradient buffer's span, not a flattened copy (two sub-groups on
+        # one rank; one on two, each rank's partitions being half as large)
+        assert ours["sub_groups"] == theirs["sub_groups"] == (2 if ranks == 1 else 1), key
+        assert ours["grad_views"] == ours["sub_groups"] * updates and theirs["grad_views"] == 0, key
         # after the last step the persistent parameters hold what their partitions make
         assert ours["persistent_current"] is True and theirs["persistent_current"] is True, key
         if ranks == 1:  # nothing to gather on one rank: each parameter's data is its partition

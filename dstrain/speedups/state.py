@@ -31,6 +31,8 @@ class SpeedupState:
     """(the persistent parameter list it was made for, the plan), made once."""
     unhooked: int = 0
     """Modules whose hooks zero3_hooks took off."""
+    grad_views: int = 0
+    """Sub-group updates whose fp32 gradient was the gradient buffer's span, not a flattened copy (zero3_step)."""
     accelerator: Any = None
     partition_group: Any = None
     partition_rank: int = 0

@@ -98,7 +98,9 @@ def train(device, checkpoints, precision, accum, clip, overflow_at, bucket, vari
         apply(fresh, only=STEP + ("zero3_hooks", "zero3_grads"))
         fresh.load_checkpoint(checkpoints, tag=tag)
         loss = [loss, float(fresh(probe).float().pow(2).mean())]
+    views = getattr(state_of(engine), "grad_views", 0) if variant != "deepspeed" else 0
     return {"applied": applied, "lean": lean, "norms": norms, "unhooked": unhooked, "reloaded_loss": loss,
+            "grad_views": views, "sub_groups": len(engine.optimizer.fp16_groups),
             "masters": real_elements(optimizer, optimizer.fp32_partitioned_groups_flat),
             "bit16": real_elements(optimizer, optimizer.fp16_partitioned_groups_flat),
             "skipped": engine.skipped_steps, "persistent": len(persistent), "gathers": gathers["count"],
