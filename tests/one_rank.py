@@ -30,6 +30,10 @@ ONE_RANK_PREAMBLE = textwrap.dedent("""
     if applies() is None:  # as dstrain's ranks (speedups.muon_lazy_compile): about 3 s less per engine build
         with muon_imported_lazily():
             pass
+    from dstrain.speedups import dynamo_lazy_import
+    if dynamo_lazy_import.applies() is None:  # as the ranks (speedups.dynamo_lazy_import): ~1.5 s less
+        with dynamo_lazy_import.dynamo_imported_when_needed():
+            pass
     if os.environ["DS_ACCELERATOR"] == "cuda":
         torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend="nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo")
