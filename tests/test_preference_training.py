@@ -20,8 +20,6 @@ from dstrain.models import build_model
 from dstrain.models import preference_loss as pl
 from preference_data import write_zen_pairs
 
-HAS_TRANSFORMERS = __import__("importlib").util.find_spec("transformers") is not None
-
 
 def gpt_and_sampler(tmp_path, objective: str, *sets: str):
     """The built-in GPT (tiny) with train.objective's loss attached, a frozen copy as its reference, and the
@@ -127,7 +125,6 @@ def test_packed_micro_batches_are_weighted_by_their_pairs_so_the_step_is_the_mea
 # --- a real engine on one rank ------------------------------------------------------------------------------
 
 @pytest.mark.integration
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers and peft")
 @pytest.mark.parametrize("reference, preset, sets", [("adapters_off", "stage2", ["model.lora={r: 4, alpha: 8}"]),
                                                      ("model", "stage3", [])])
 def test_one_dpo_step_of_a_real_engine_equals_the_dpo_loss_computed_by_hand(tmp_path, reference, preset, sets):
@@ -158,7 +155,6 @@ def dpo_loss_of(policy, reference, batch: dict, beta: float) -> float:
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers and peft")
 def test_lora_dpo_trains_on_two_ranks_resumes_on_one_converts_and_generates(tmp_path, monkeypatch):
     """`dstrain run` on 2 CPU ranks: DPO, LoRA, ZeRO-2, packed Zen pairs, the reference precomputed (the two
     ranks share the pass, rank 0 writes the cache). Step 1's loss is ln 2 (policy == reference), metrics.jsonl

@@ -80,8 +80,6 @@ def test_a_named_tokenizer_without_transformers_is_a_clear_error(tmp_path, trans
     assert "pip install transformers" in messages(err) and "data.tokenizer" in messages(err)
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") is None,
-                    reason="a named tokenizer needs transformers (optional)")
 def test_a_named_tokenizer_tokenizes_each_file_and_ends_it_with_eos(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
