@@ -34,6 +34,8 @@ ONE_RANK_PREAMBLE = textwrap.dedent("""
     if dynamo_lazy_import.applies() is None:  # as the ranks (speedups.dynamo_lazy_import): ~1.5 s less
         with dynamo_lazy_import.dynamo_imported_when_needed():
             pass
+    from dstrain.rank.runtime import skip_shared_memory_all_reduce_op
+    skip_shared_memory_all_reduce_op()  # as the ranks: an op only AutoTP's inference_all_reduce calls
     if os.environ["DS_ACCELERATOR"] == "cuda":
         torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend="nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo")

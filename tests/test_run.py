@@ -198,6 +198,10 @@ def test_the_default_job_loss_falls(default_job):
     steps = losses(run_dir)
     assert steps[30] < steps[5] - 0.3, steps
     assert "batch: micro 4 x grad accum 1 x world 2 = 8 sequences" in result.stdout
+    # The ranks did not build or load DeepSpeed's shared-memory all-reduce op (training never calls it;
+    # dstrain/rank/runtime.py skip_shared_memory_all_reduce_op): DeepSpeed says so in each rank's log when it does.
+    for log in sorted((run_dir / "ranks").glob("rank*.log")):
+        assert "shm_comm_op built successfully" not in log.read_text(), log
 
 
 @pytest.mark.parametrize("preset", ["stage2_offload", "stage3_offload"])

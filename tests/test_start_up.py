@@ -49,6 +49,8 @@ def test_deepspeeds_muon_module_imports_without_inductor_and_the_optimizer_check
 import json, os, sys, torch
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 import deepspeed
+from dstrain.rank.runtime import skip_shared_memory_all_reduce_op
+skip_shared_memory_all_reduce_op()  # as the ranks
 deepspeed.init_distributed(dist_backend="gloo")  # the check asks the process group for this rank
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
 from dstrain.speedups.muon_lazy_compile import MUON_MODULES, applies, muon_imported_lazily
@@ -168,3 +170,21 @@ def test_cpu_info_is_asked_once_per_machine_and_read_back_by_later_processes(tmp
     assert cpuinfo.get_cpu_info() == real_answer and asked == [1, 1]
     assert json.loads(record.read_text()) == real_answer
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_ranks_skip_deepspeeds_shared_memory_all_reduce_op_unless_a_layer_is_tensor_parallel():
+    """DeepSpeed builds its CPU shared-memory all-reduce op at init_distributed (about 100 s of CPU at an
+    environment's first run) for `inference_all_reduce`, which only tensor-parallel layers call. dstrain's
+    ranks skip it for every other run: DeepSpeed's own `build_shm_op` then builds and loads nothing. (A
+    launched run's rank logs show it too: test_run.py's default-job test.)"""
+    import importlib
+
+    from dstrain.rank.runtime import skip_shared_memory_all_reduce_op, uses_shared_memory_all_reduce
+
+    assert not uses_shared_memory_all_reduce({})
+    assert not uses_shared_memory_all_reduce({"zero_optimization": {"stage": 3}, "tensor_parallel": {"autotp_size": 1}})
+    assert uses_shared_memory_all_reduce({"tensor_parallel": {"autotp_size": 2}})
+    assert uses_shared_memory_all_reduce({"tensor_parallel": {"tp": {"tp_size": 4}}})
+    skip_shared_memory_all_reduce_op()
+    deepspeed_comm = importlib.import_module("deepspeed.comm.torch")  # (`import ... as` finds deepspeed.comm's `torch`)
+    assert deepspeed_comm.build_shm_op() is None

@@ -218,7 +218,7 @@ def rank_eval(run_dir: Path, config, ds_config: dict, launch: LaunchInfo) -> int
     from dstrain.rank.runtime import init_rank, initialize_engine, quiet_logging, seed_everything, sequence_parallel_mpu
 
     quiet_logging(launch.verbose)
-    rank, world, device = init_rank(collective_timeout_s(launch.hang_timeout_s))
+    rank, world, device = init_rank(collective_timeout_s(launch.hang_timeout_s), ds_config)
     seed_everything(config.train.seed)
 
     from dstrain.rank.preference import rng_state, set_up_reference

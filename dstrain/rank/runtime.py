@@ -12,15 +12,18 @@ from datetime import timedelta
 from typing import Any, Callable
 
 
-def init_rank(collective_timeout_s: float | None = None):
+def init_rank(collective_timeout_s: float | None = None, ds_config: dict | None = None):
     """Join the process group; returns (rank, world size, this rank's device). `collective_timeout_s`
-    (dstrain.hangs.collective_timeout_s): how long any collective may wait before it fails."""
+    (dstrain.hangs.collective_timeout_s): how long any collective may wait before it fails. `ds_config`:
+    the DeepSpeed config the rank will run (whether it needs DeepSpeed's shared-memory all-reduce)."""
     import deepspeed
     import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     from deepspeed.accelerator import get_accelerator
 
+    if not uses_shared_memory_all_reduce(ds_config or {}):
+        skip_shared_memory_all_reduce_op()
     if collective_timeout_s:
         timeout = timedelta(seconds=collective_timeout_s)
         # Groups made later (the loop's gloo group, DeepSpeed's own) take torch's module default,
@@ -37,6 +40,35 @@ def init_rank(collective_timeout_s: float | None = None):
         torch.cuda.set_device(local_rank)
         return rank, world, torch.device("cuda", local_rank)
     return rank, world, torch.device("cpu")
+
+
+def uses_shared_memory_all_reduce(ds_config: dict) -> bool:
+    """Whether a run calls DeepSpeed's `inference_all_reduce`, the one collective its CPU shared-memory op
+    serves: only tensor-parallel layers do (AutoTP training, `tensor_parallel.autotp_size` above 1, or
+    `tensor_parallel.tp.tp_size`). Training's all-reduces, reduce-scatters and all-gathers go through
+    torch.distributed either way."""
+    tensor_parallel = ds_config.get("tensor_parallel")
+    if not isinstance(tensor_parallel, dict):
+        return False
+    inner = tensor_parallel.get("tp")
+    sizes = [tensor_parallel.get("autotp_size"), tensor_parallel.get("tp_size"),
+             inner.get("tp_size") if isinstance(inner, dict) else None]
+    return any(isinstance(size, int) and size > 1 for size in sizes)
+
+
+def skip_shared_memory_all_reduce_op() -> None:
+    """Tell DeepSpeed not to build and load its CPU shared-memory all-reduce op (`deepspeed_shm_comm`) at
+    init_distributed. On CPU ranks it is compiled at the first run of every Python environment (about
+    100 s of CPU, minutes on a busy 2-core machine) and maps a 66 MB /dev/shm buffer per rank, for
+    `inference_all_reduce` alone, which falls back to torch.distributed's all_reduce without it. DeepSpeed
+    reads the op's availability from `deepspeed.ops.__compatible_ops__` (0.18 and 0.19 alike)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if builder is not None and isinstance(compatible, dict):
+        compatible[builder.NAME] = False
 
 
 def close_process_groups() -> None:

@@ -164,7 +164,7 @@ def train_rank(run_dir: Path, config, ds_config: dict, launch: rundir.LaunchInfo
     from dstrain.rank.runtime import compile_engine, init_rank, quiet_logging, seed_everything
 
     quiet_logging(launch.verbose)
-    rank, world, device = init_rank(collective_timeout_s(launch.hang_timeout_s))
+    rank, world, device = init_rank(collective_timeout_s(launch.hang_timeout_s), ds_config)
     seed_everything(config.train.seed)
     started = time.perf_counter()
     train_sampler, eval_sampler = build_samplers(config)

@@ -17,7 +17,7 @@ import deepspeed
 import torch
 from train_tiny import TinyLM, build_config, param_groups  # same directory: on sys.path
 from deepspeed.utils import safe_get_full_fp32_param
-from dstrain.rank.runtime import end_rank
+from dstrain.rank.runtime import end_rank, skip_shared_memory_all_reduce_op
 
 
 def main() -> None:
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the launcher
     args = parser.parse_args()
 
+    skip_shared_memory_all_reduce_op()  # as in train_tiny.py
     deepspeed.init_distributed()
     torch.manual_seed(1)  # not the training seed: the weights must come from the checkpoint
     model = TinyLM()

@@ -20,7 +20,7 @@ import argparse
 import deepspeed
 import torch
 from deepspeed.utils import safe_get_full_fp32_param
-from dstrain.rank.runtime import end_rank
+from dstrain.rank.runtime import end_rank, skip_shared_memory_all_reduce_op
 from torch import nn
 
 VOCAB = 37
@@ -129,6 +129,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the launcher
     args = parser.parse_args()
 
+    skip_shared_memory_all_reduce_op()  # an op only AutoTP's inference_all_reduce calls: not built for this
     deepspeed.init_distributed()
     for run in args.run:
         stage, dtype, save_dir, reference = run.split(":", 3)

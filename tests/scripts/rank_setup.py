@@ -33,6 +33,8 @@ def start_rank(params: dict) -> str:
     from dstrain.op_cache import remember_cpu_info
     remember_cpu_info(Path(os.environ["TORCH_EXTENSIONS_DIR"]))  # as dstrain's ranks: py-cpuinfo asked once a machine
     lean_muon_import()
+    from dstrain.rank.runtime import skip_shared_memory_all_reduce_op
+    skip_shared_memory_all_reduce_op()  # as the ranks: an op only AutoTP's inference_all_reduce calls
     on_gpu = os.environ["DS_ACCELERATOR"] == "cuda"
     if on_gpu:
         torch.cuda.set_device(rank)

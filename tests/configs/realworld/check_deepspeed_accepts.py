@@ -208,7 +208,9 @@ def start_one_rank():
     os.environ.setdefault("MASTER_PORT", "29561")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     import deepspeed
+    from dstrain.rank.runtime import skip_shared_memory_all_reduce_op
 
+    skip_shared_memory_all_reduce_op()  # as dstrain's ranks: an op only AutoTP's inference_all_reduce calls
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
