@@ -244,6 +244,10 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{lane}: {seconds:.0f} s ({seconds / 60:.1f} min) of test time")
     for line in _OP_BUILD_SAID:
         terminalreporter.write_line(line)
+    if _OP_BUILD_SAID:  # what the session's processes built in all: an op a test built itself shows here
+        from dstrain.op_cache import built_ops, op_cache
+        folder, _ = op_cache(dict(os.environ), "cpu")
+        terminalreporter.write_line(f"ops in the session's op cache: {', '.join(built_ops(folder)) or 'none'}")
     if any(_GATE_WAITS):
         terminalreporter.write_line(f"tests waited at the op gate for the build: {sum(_GATE_WAITS):.0f} s "
                                     f"(all workers, tests/op_gate.py)")
