@@ -332,6 +332,10 @@ def worker(spec_path: Path) -> int:
                               spec.get("torch_compile_blocks", False))
     else:
         import deepspeed
+        if not cuda:  # CPU smoke runs: as dstrain's ranks, not DeepSpeed's shared-memory all-reduce op (built for
+            # inference_all_reduce alone; DeepSpeed has no such op on GPUs, so the GPU rows are unchanged)
+            from dstrain.rank.runtime import skip_shared_memory_all_reduce_op
+            skip_shared_memory_all_reduce_op()
         deepspeed.init_distributed()
         step_fn = _deepspeed_step(config, spec["ds_config"], device)
     rank, world = dist.get_rank(), dist.get_world_size()
