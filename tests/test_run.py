@@ -99,7 +99,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 # stage2 is checked on the stage2 runs the resume tests below share (test_stage2_preset_...).
-# stage1 is DeepSpeed 0.18.9's smoke run of ZeRO-1 too (.ci/run).
+# stage1 is DeepSpeed 0.18.9's smoke run of ZeRO-1, and of saving and resuming, too (.ci/run).
 @pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.oldest_deepspeed) if p == "stage1" else p
                                     for p in PRESETS if p != "stage2"])
 def test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(preset_runs, preset):
@@ -144,14 +144,12 @@ def stage2_resumed_by_one(stage2_interrupted):
     return one, resumed
 
 
-@pytest.mark.oldest_deepspeed
 def test_stage2_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks(stage2_interrupted):
     """test_preset_trains_checkpoints_and_resumes_on_two_cpu_ranks for stage2: saved at 8, resumed to 12."""
     _assert_saved_by_two_ranks(stage2_interrupted.first, stage2_interrupted.saved, "stage2", step=8)
     _assert_resumed(stage2_interrupted.resumed, stage2_interrupted.interrupted, saved=8, last=12)
 
 
-@pytest.mark.oldest_deepspeed
 def test_resumed_run_continues_exactly_like_an_uninterrupted_one(stage2_interrupted, stage2_straight):
     straight, straight_run = stage2_straight
     assert_ok(stage2_interrupted.resumed)
