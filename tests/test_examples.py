@@ -6,7 +6,6 @@ so the launches run there, as the examples' own comments tell users to.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -23,7 +22,6 @@ from launcher import dstrain
 
 REPO = Path(__file__).parent.parent
 EXAMPLES = REPO / "examples"
-HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
 @pytest.fixture
@@ -142,7 +140,6 @@ def test_regression_example_with_a_user_model_and_dataset_learns(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the Hugging Face example needs transformers (optional)")
 def test_huggingface_example_trains_through_the_adapter(tmp_path):
     losses = train("huggingface/config.yaml", tmp_path / "run", "train.max_steps=6", "model.kwargs.n_layer=1",
                    "model.kwargs.n_embd=32", "model.kwargs.n_head=2", "model.kwargs.n_positions=32", "data.seq_len=32",
@@ -151,7 +148,6 @@ def test_huggingface_example_trains_through_the_adapter(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the fine-tuning example needs transformers (optional)")
 def test_finetune_llama_example_trains_on_its_instructions_and_exports_a_folder_transformers_loads(tmp_path):
     """The example as its comments run it: a tiny Llama and its BPE tokenizer saved locally, ZeRO-3
     prompt/response fine-tuning on the shipped JSONL, `export_final: hf` in bf16 with the tokenizer."""
