@@ -1,6 +1,8 @@
-"""GPU benchmark: train.precision fp8 (torchao's float8 training) against bf16 on one GPU (issue 55, item 1).
+"""GPU benchmark: train.precision fp8 (torchao's float8 training) against bf16 on one GPU or --gpus N (issue 55,
+item 1).
 
     source .pbench/env.sh && python3 benchmarks/fp8.py --out $OUT                  # one H100/H200: ~6 minutes
+    python3 benchmarks/fp8.py --layers 32 --stage 3 --gpus 2 --micro-batch 4 --out $OUT   # 8.0B on two H200s
     python3 benchmarks/fp8.py --rows bf16,fp8-tensorwise --steps 300 --out $OUT    # the 300-step loss check, ~8 min
     python3 benchmarks/fp8.py --tiny --out /tmp/o                                  # CPU: builds the data, then the
                                                                                    # rows are refused (no FP8 on CPU)
@@ -14,8 +16,10 @@ safetensors, with benchmarks/sft.py's byte-level BPE tokenizer; the data is real
 sources (dstrain's corpus), one text file, tokenized by that tokenizer (data.source text), the same sequences in
 the same order for every row (same seed).
 
-Rows, each a fresh `dstrain run` (--preset stage2 by default, --stage 3 for stage3), seq 2048 x micro batch 2,
-lr 3e-4 with 20 warm-up steps then cosine, train.compile auto (each decoder layer compiled: on for both):
+Rows, each a fresh `dstrain run --gpus N` (--gpus, default 1; --preset stage2 by default, --stage 3 for stage3),
+seq 2048 x micro batch 2 on each GPU, lr 3e-4 with 20 warm-up steps then cosine, train.compile auto (each decoder
+layer compiled: on for both; at ZeRO-3 on several GPUs past 3B auto leaves both eager, so pass
+--dstrain-set train.compile=true there):
   bf16              train.precision bf16
   fp8-tensorwise    train.precision fp8, train.fp8_recipe tensorwise
   fp8-rowwise       train.precision fp8, train.fp8_recipe rowwise
@@ -24,10 +28,12 @@ with 12 layers 10/12 of the layers' matmuls, about 78% of the step's matmul FLOP
 included). MFU is against the GPU's dense bf16 peak (as torchtitan reports its float8 rows), from dstrain's FLOPs
 per token (6 x parameters + attention).
 
-Reported per row: tokens/s and MFU over the steps after --warmup (their total tokens over their time), peak GPU
-memory (torch.cuda.max_memory_allocated), the time to the first step (compile included), every step's loss, and
+Reported per row: tokens/s and MFU over the steps after --warmup (their total tokens over their time; with
+--gpus N the tokens/s of all N GPUs together, dstrain's global batch over the step time, and the MFU each GPU's
+share against one GPU's peak, i.e. the total against N x that peak), peak GPU memory (rank 0's
+torch.cuda.max_memory_allocated), the time to the first step (compile included), every step's loss, and
 for each fp8 row its loss against bf16's: the mean relative difference over the steps and over the last 10. --out
-(default $OUT, else WORK/out) gets fp8-<gpu>.json (date, device, versions,
+(default $OUT, else WORK/out) gets fp8-<gpu>.json (fp8-<gpu>xN.json with --gpus N; date, device, versions,
 settings, rows) and each row's log.
 """
 
@@ -54,7 +60,7 @@ ROWS = (("bf16", ["train.precision=bf16"]),
 
 
 def dstrain_row(name: str, sets: list[str], ctx: dict, args) -> dict:
-    row = {"name": name, "stage": args.stage, "sets": sets}
+    row = {"name": name, "stage": args.stage, "gpus": args.gpus, "sets": sets}
     all_sets = [f"model.name=hf:{ctx['model']}", "data.source=text", f"data.paths=[{ctx['model'] / 'corpus.txt'}]",
                 f"data.seq_len={args.seq_len}", f"data.cache_dir={args.work / 'dstrain-cache'}",
                 f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}",
@@ -147,6 +153,7 @@ def main() -> None:
         return
     parser = bench_parser(__doc__, DEFAULTS)
     parser.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (preset stage2/stage3)")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs of each row's `dstrain run` (ZeRO over them)")
     parser.add_argument("--dstrain-set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting for every row, e.g. train.activation_checkpointing=true (repeatable)")
     args = bench_args(parser, DEFAULTS, "fp8")
@@ -170,7 +177,7 @@ def main() -> None:
         return (f"{row['tokens_per_s']:,.0f} tok/s, peak {row['peak_gpu_gib']:.1f} GiB, loss {row['losses'][0]} -> "
                 f"{row['losses'][-1]}, {row['wall_s']}s; {row['converted']}")
     run_rows(planned, lambda spec: dstrain_row(spec["name"], spec["sets"], {"model": model_dir}, args), describe, doc,
-             args.out / f"fp8-{gpu}.json", args, after=compare_losses)
+             args.out / f"fp8-{gpu}{f'x{args.gpus}' if args.gpus > 1 else ''}.json", args, after=compare_losses)
     print("\n" + table(doc["rows"]), flush=True)
 
 

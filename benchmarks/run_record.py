@@ -172,12 +172,12 @@ ROW_SETS = ["train.log_every=1", "train.save_checkpoints=false", "train.eval_eve
 
 
 def run_dstrain(name: str, preset: str, sets: list[str], args) -> tuple[dict, list[dict]]:
-    """One row's `dstrain run` on one GPU (run directory WORK/runs/NAME, its output OUT/logs/NAME.log), within
-    args.row_limit seconds: the row's wall time and command (and its error when it trained no step), and the
-    run's per-step records."""
+    """One row's `dstrain run` on args.gpus GPUs (one where args has no gpus; run directory WORK/runs/NAME, its
+    output OUT/logs/NAME.log), within args.row_limit seconds: the row's wall time and command (and its error when
+    it trained no step), and the run's per-step records."""
     run_dir = args.work / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = dstrain_command(preset, 1, args.accelerator, run_dir, ROW_SETS + sets)
+    command = dstrain_command(preset, getattr(args, "gpus", 1), args.accelerator, run_dir, ROW_SETS + sets)
     code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit)
     row = {"wall_s": round(wall, 1), "command": " ".join(command)}
     steps = [r for r in metrics(run_dir) if "loss" in r and "step_time_ms" in r]
