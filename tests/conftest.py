@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -253,6 +254,11 @@ def pytest_terminal_summary(terminalreporter):
                                     f"(all workers, tests/op_gate.py)")
     for line in _LAUNCHES.report():
         terminalreporter.write_line(line)
+    if _TEST_CPU and os.environ.get("DSTRAIN_TEST_COSTS"):  # every test's CPU and ranks, for trimming the suite
+        ranks_by_test = Counter(_LAUNCHES.ranks.values())
+        rows = sorted(_TEST_CPU.items(), key=lambda item: -item[1])
+        Path(os.environ["DSTRAIN_TEST_COSTS"]).write_text(
+            "".join(f"{seconds:.1f}\t{ranks_by_test.get(nodeid, 0)}\t{nodeid}\n" for nodeid, seconds in rows))
     if _TEST_CPU:
         ranked = sorted(_TEST_CPU.items(), key=lambda item: -item[1])
         terminalreporter.write_line(f"CPU of the tests: {sum(_TEST_CPU.values()):.0f} s (each test's process and the "
