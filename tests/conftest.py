@@ -65,8 +65,8 @@ _SPLIT_MODULES = ("test_benchmarks", "test_sequence_parallel", "test_run")
 
 # Launcher groups that take longest start first, so that the last minutes do not leave a worker idle beside
 # one long group; the NVMe preset goes last, as DeepSpeed's async_io op takes minutes to build beside the rest.
-_LONG_GROUPS_FIRST = ("test_suite_trains_an_hf_shape_with_a_variant_and_bounds_the_offload_row",
-                      "zero3_llama", "stage2_resume", "test_suite_trains_the_same_model_three_ways_and_writes_the_results_file",
+_LONG_GROUPS_FIRST = ("test_suite_trains_an_hf_shape_three_ways_with_a_variant_and_bounds_the_offload_row",
+                      "zero3_llama", "stage2_resume",
                       "test_qwen2_stage3_split_padded_rows_train_resume_evaluate_and_export_as_without_it")
 _LAST = ("nvme",)
 
