@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dstrain.cli import app
-from launcher import TINY, assert_ok, losses
+from launcher import TINY, assert_ok, dstrain, losses
 
 EXAMPLE_HOSTFILE = Path(__file__).parent.parent / "examples" / "multinode" / "hostfile"  # worker-0/1, slots=8
 
@@ -212,13 +212,13 @@ def test_deepspeed_backends_build_a_runnable_rank_command(tmp_path, launcher, ex
         (tools / name).write_text(FAKE_TOOL)
         (tools / name).chmod(0o755)
     log, run_dir = tmp_path / "calls.log", tmp_path / "run"
-    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log)}
+    env = {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log)}
     args = ["run", "--accelerator", "cpu", "--hostfile", str(EXAMPLE_HOSTFILE), "--launcher", launcher,
             "--master-addr", "worker-0", "--run-dir", str(run_dir)]
     for item in TINY:
         args += ["--set", item]
-    result = subprocess.run([sys.executable, "-m", "dstrain.cli", *args], env=env, capture_output=True, text=True,
-                            timeout=300)
+    # in this process (no fresh interpreter importing torch and DeepSpeed): the runner finds the stand-ins on PATH
+    result = dstrain(*args, env=env, timeout=300)
     assert_ok(result)
     rank_command = [line for line in log.read_text().splitlines() if not line.startswith("ssh ")]
     assert len(rank_command) == 1, log.read_text()
@@ -261,14 +261,12 @@ def test_pdsh_nodes_train_on_the_run_directorys_settings_not_their_environment(t
         tool.chmod(0o755)
     hostfile, log, run_dir = tmp_path / "hostfile", tmp_path / "calls.log", tmp_path / "run"
     hostfile.write_text("worker-0 slots=1\nworker-1 slots=1\n")
-    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log),
-           "DSTRAIN_EXAMPLE_SWITCH": "0"}
+    env = {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log), "DSTRAIN_EXAMPLE_SWITCH": "0"}
     args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--hostfile", str(hostfile), "--launcher", "pdsh",
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--run-dir", str(run_dir)]
     for item in (*TINY, "train.max_steps=2", "train.log_every=1", "train.eval_every=2", "train.save_every=2"):
         args += ["--set", item]
-    result = subprocess.run([sys.executable, "-m", "dstrain.cli", *args], env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = dstrain(*args, env=env, timeout=600)
     assert_ok(result)
     pdsh = log.read_text().splitlines()[-1]
     exported = {part.split("=")[0] for part in pdsh.split("export ")[1:]}
