@@ -276,6 +276,17 @@ class Job:
     def output(self) -> str:
         return self.log.read_text()
 
+    @staticmethod
+    def run_to_the_end(run_dir: Path, *sets: str, resume: str) -> subprocess.CompletedProcess:
+        """The same command run to its end in this process (launcher.dstrain): for a resume that no signal
+        interrupts, no fresh interpreter importing torch and DeepSpeed."""
+        from launcher import dstrain
+        args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir),
+                "--resume", resume]
+        for item in (*TINY, "train.eval_every=100000", "train.log_every=1", *sets):
+            args += ["--set", item]
+        return dstrain(*args, timeout=300)
+
     def wait_for(self, condition, what: str, timeout: float = 240) -> None:
         end = time.monotonic() + timeout
         while not condition():
@@ -423,14 +434,14 @@ def test_resume_after_a_killed_rank_skips_the_interrupted_and_a_truncated_tag(ki
     assert good.returncode == 0 and "intact (sizes and SHA-256 match)" in flat(good.stdout), good.stdout
     assert bad.returncode == 2 and f"damaged: {shard} truncated: 1000 bytes" in flat(bad.stdout), bad.stdout
 
-    resumed = Job.start(job.run_dir, "train.max_steps=6", "train.save_every=2", resume="latest")
-    resumed.finish(timeout=300)
-    output = flat(resumed.output)
-    assert resumed.process.returncode == 0, resumed.output
+    resumed = Job.run_to_the_end(job.run_dir, "train.max_steps=6", "train.save_every=2", resume="latest")
+    resumed_output = resumed.stdout + resumed.stderr
+    output = flat(resumed_output)
+    assert resumed.returncode == 0, resumed_output
     assert ("'latest' names step00000004, which is damaged (zero_pp_rank_1_mp_rank_00_optim_states.pt truncated: "
             "1000 bytes") in output
     assert "step00000006 is incomplete (its save was interrupted) and is skipped" in output
-    assert "resumed from step00000002 at step 2" in resumed.output
+    assert "resumed from step00000002 at step 2" in resumed_output
     assert metric_steps(job.run_dir)[-4:] == [3, 4, 5, 6]
     assert latest_tag(job.run_dir) == "step00000006"
     assert verify(checkpoints / "step00000004") is not None  # saved again, whole this time
@@ -477,10 +488,9 @@ def test_sigterm_checkpoint_is_complete_and_at_the_step_training_stopped(termina
 def test_resume_after_sigterm_continues_from_its_checkpoint(terminated):
     job, result = terminated
     step = verify(job.run_dir / CHECKPOINTS / result.latest).step
-    resumed = Job.start(job.run_dir, f"train.max_steps={step + 2}", "train.save_every=100000", resume="latest")
-    resumed.finish(timeout=300)
-    assert resumed.process.returncode == 0, resumed.output
-    assert f"resumed from {tag_for(step)} at step {step}" in resumed.output
+    resumed = Job.run_to_the_end(job.run_dir, f"train.max_steps={step + 2}", "train.save_every=100000", resume="latest")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed from {tag_for(step)} at step {step}" in resumed.stdout
     assert metric_steps(job.run_dir)[-2:] == [step + 1, step + 2]
     assert latest_tag(job.run_dir) == tag_for(step + 2)
 
