@@ -309,6 +309,16 @@ def dstrain_run(run_dir: Path, *extra: str, sets: tuple[str, ...] = (), log: Pat
                             env={**os.environ, "COLUMNS": "250"})
 
 
+def run_here(run_dir: Path, *extra: str, sets: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """The same `dstrain run` as dstrain_run, to its end in this process (launcher.dstrain: no fresh interpreter
+    importing torch and DeepSpeed), for the one-node runs nothing interrupts; stderr after stdout, as one stream."""
+    args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--run-dir", str(run_dir), *extra]
+    for item in (*TINY, *STEPS, *sets):
+        args += ["--set", item]
+    done = dstrain(*args, timeout=600, env={"COLUMNS": "250"})
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout + done.stderr, "")
+
+
 def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
     out, _ = process.communicate(timeout=600)
     return subprocess.CompletedProcess(process.args, process.returncode, out, "")
@@ -392,7 +402,7 @@ def two_nodes_then_one_killed(tmp_path_factory):
     os.kill(rank_pid(shared, 1), signal.SIGKILL)
     node1, node0 = ended(nodes, logs, since=time.monotonic())
     single = base / "one_node"
-    one_node = finish(dstrain_run(single, "--gpus", "2"))
+    one_node = run_here(single, "--gpus", "2")
     return SimpleNamespace(shared=shared, node0=node0, node1=node1, single=single, one_node=one_node)
 
 
@@ -466,8 +476,8 @@ def two_nodes_then_one_stopped(tmp_path_factory):
     records = {p.name: p.read_text() for p in (shared / "ranks").iterdir() if p.suffix in (".exit", ".verdict")}
     saved = int((shared / "checkpoints" / "latest").read_text().strip()[len("step"):])
     last = max(sorted(before)[-1], saved + 2) + 1  # the resume repeats every step the two nodes logged past `saved`
-    resumed = finish(dstrain_run(shared, "--gpus", "1", "--resume", "auto",
-                                 sets=(f"train.max_steps={last}", "train.grad_accum_steps=2", *data)))
+    resumed = run_here(shared, "--gpus", "1", "--resume", "auto",
+                       sets=(f"train.max_steps={last}", "train.grad_accum_steps=2", *data))
     return SimpleNamespace(shared=shared, node0=node0, node1=node1, stopped_pid=stopped_pid, before=before,
                            records=records, saved=saved, last=last, resumed=resumed)
 

@@ -277,12 +277,12 @@ class Job:
         return self.log.read_text()
 
     @staticmethod
-    def run_to_the_end(run_dir: Path, *sets: str, resume: str) -> subprocess.CompletedProcess:
-        """The same command run to its end in this process (launcher.dstrain): for a resume that no signal
+    def run_to_the_end(run_dir: Path, *sets: str, resume: str | None = None) -> subprocess.CompletedProcess:
+        """The same command run to its end in this process (launcher.dstrain): for a run that no signal
         interrupts, no fresh interpreter importing torch and DeepSpeed."""
         from launcher import dstrain
         args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir),
-                "--resume", resume]
+                *(["--resume", resume] if resume else [])]
         for item in (*TINY, "train.eval_every=100000", "train.log_every=1", *sets):
             args += ["--set", item]
         return dstrain(*args, timeout=300)
@@ -579,10 +579,9 @@ def small_disk(tmp_path):
 @pytest.mark.integration
 def test_a_full_disk_ends_the_job_with_the_checkpoint_path_and_the_cause(small_disk):
     run_dir = small_disk / "run"
-    job = Job.start(run_dir, "train.max_steps=4", "train.save_every=2")
-    job.finish(timeout=300)
-    output = flat(job.output)
-    assert job.process.returncode != 0, output
+    job = Job.run_to_the_end(run_dir, "train.max_steps=4", "train.save_every=2")
+    output = flat(job.stdout + job.stderr)
+    assert job.returncode != 0, output
     assert f"{run_dir / CHECKPOINTS / 'step00000002'}: writing the checkpoint failed: the disk is full" in output
     assert "training failed" in output and "continue with --resume latest" in output
     assert latest_tag(run_dir) is None and complete_checkpoints(run_dir / CHECKPOINTS) == []
@@ -592,9 +591,9 @@ def test_a_full_disk_ends_the_job_with_the_checkpoint_path_and_the_cause(small_d
 # ------------------------------------------------------------------ a run directory that cannot be written
 
 def run_fails_before_launch(run_dir: Path | str) -> str:
-    done = subprocess.run([sys.executable, "-m", "dstrain.cli", "run", "--preset", "stage2", "--accelerator", "cpu",
-                           "--gpus", "2", "--run-dir", str(run_dir), *[a for s in TINY for a in ("--set", s)]],
-                          capture_output=True, text=True, timeout=120)
+    from launcher import dstrain
+    done = dstrain("run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir),
+                   *[a for s in TINY for a in ("--set", s)], timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     assert "run directory:" not in done.stdout  # nothing was started
