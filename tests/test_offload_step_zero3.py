@@ -70,7 +70,7 @@ OVERLAP_CASES = (("bf16", 1, 0.05, True, None, None), ("fp32", 2, 0.05, True, No
 @pytest.fixture(scope="module")
 def on_cpu() -> dict:
     """The CPU cases of the three CPU tests below, trained by one rank (one start-up), by group: "step"
-    (the chunked step, and its rounding on the GPU side), "accumulate" (the sums on the device) and
+    (the chunked step, and with its bf16 rounding in a pass of its own), "accumulate" (the sums on the device) and
     "overlap" (the step beside the next forward, persistent parameters: threshold 100), in that order."""
     return run_script("offload_step_zero3", {"groups": {
         "step": (CPU_CASES, ("dstrain", "gpu_rounding"), 0), "accumulate": (ACCUMULATE_CASES, ("accumulate",), 0),
