@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,8 +65,8 @@ _SPLIT_MODULES = ("test_benchmarks", "test_sequence_parallel", "test_run")
 
 # Launcher groups that take longest start first, so that the last minutes do not leave a worker idle beside
 # one long group; the NVMe preset goes last, as DeepSpeed's async_io op takes minutes to build beside the rest.
-_LONG_GROUPS_FIRST = ("test_suite_trains_an_hf_shape_with_a_variant_and_bounds_the_offload_row",
-                      "zero3_llama", "stage2_resume", "test_suite_trains_the_same_model_three_ways_and_writes_the_results_file",
+_LONG_GROUPS_FIRST = ("test_suite_trains_an_hf_shape_three_ways_with_a_variant_and_bounds_the_offload_row",
+                      "zero3_llama", "stage2_resume",
                       "test_qwen2_stage3_split_padded_rows_train_resume_evaluate_and_export_as_without_it")
 _LAST = ("nvme",)
 
@@ -253,6 +254,11 @@ def pytest_terminal_summary(terminalreporter):
                                     f"(all workers, tests/op_gate.py)")
     for line in _LAUNCHES.report():
         terminalreporter.write_line(line)
+    if _TEST_CPU and os.environ.get("DSTRAIN_TEST_COSTS"):  # every test's CPU and ranks, for trimming the suite
+        ranks_by_test = Counter(_LAUNCHES.ranks.values())
+        rows = sorted(_TEST_CPU.items(), key=lambda item: -item[1])
+        Path(os.environ["DSTRAIN_TEST_COSTS"]).write_text(
+            "".join(f"{seconds:.1f}\t{ranks_by_test.get(nodeid, 0)}\t{nodeid}\n" for nodeid, seconds in rows))
     if _TEST_CPU:
         ranked = sorted(_TEST_CPU.items(), key=lambda item: -item[1])
         terminalreporter.write_line(f"CPU of the tests: {sum(_TEST_CPU.values()):.0f} s (each test's process and the "

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,51 +24,66 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
-def test_suite_trains_the_same_model_three_ways_and_writes_the_results_file(tmp_path):
-    run_script("suite.py", *TINY, "--n-layer", "2", "--micro-batch", "2", "--presets", "stage2", "--steps", "6",
-               "--log-every", "2", "--warmup", "2", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"))
+def test_suite_trains_an_hf_shape_three_ways_with_a_variant_and_bounds_the_offload_row(tmp_path):
+    """One suite call, every runner CPU ranks have: --hf-shape builds the folder once; torch (as it is and in
+    an accumulating variant), DeepSpeed's own loop and dstrain train it from the same weights on the same
+    batches; the results file has the promised shape; the offload rows carry their fraction of the host's
+    bound. (One call since 2026-11-29: the built-in GPT's three-runner call and this one started 6 rows and
+    2 suites for these facts; the GPT's model facts are checked in-process below. The torch runner's
+    +compile_blocks calls dstrain's compile_hf_blocks, whose loss and gradients equal eager's in
+    test_hf_compile.py; compiling it here cost minutes of C++ builds on 2 cores for the same fact.)"""
+    run_script("suite.py", "--accelerator", "cpu", "--hf-shape", "tiny-qwen2", "--hf-dir", str(tmp_path / "hf"),
+               "--seq-len", "32", "--micro-batch", "2", "--steps", "6", "--log-every", "2", "--warmup", "2",
+               "--runners", "torch,deepspeed,dstrain", "--presets", "stage2_offload",
+               "--variant", "a2@torch=train.grad_accum_steps=2", "--bound-elements", "1000000",
+               "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"))
     [path] = (tmp_path / "out").glob("*-cpu.json")
     doc = json.loads(path.read_text())
     assert {"device", "versions", "model", "rows"} <= set(doc)
     assert doc["model"]["params"] > 0 and doc["model"]["flops_per_token"] > 0
-    rows = {row["runner"]: row for row in doc["rows"]}
-    assert set(rows) == {"torch", "deepspeed", "dstrain"}
-    assert rows["torch"]["preset"] == "none" and rows["dstrain"]["preset"] == "stage2"
+    assert doc["model"]["architecture"] == "Qwen2ForCausalLM" and doc["model"]["name"].startswith("hf:")
+    assert (tmp_path / "hf" / "tiny-qwen2" / "config.json").exists()
+    assert doc["offload_rates"]["adam_gb_s"] > 0 and doc["offload_rates"]["h2d_gb_s"] is None  # no GPU here
+    rows = {(row["runner"], row["variant"]): row for row in doc["rows"]}
+    assert set(rows) == {("torch", ""), ("torch", "a2"), ("deepspeed", ""), ("dstrain", "")}
+    torch_row = rows[("torch", "")]
+    assert torch_row["preset"] == "none" and rows[("dstrain", "")]["preset"] == "stage2_offload"
     for row in rows.values():
         assert row["status"] == "ok", row
         assert row["gpus"] == 1 and row["tokens_per_s"] > 0 and row["first_step_s"] > 0
         assert {"tflops_per_gpu", "peak_gpu_gib", "host_rss_gib"} <= set(row)
         # same batches, same initial weights: the first logged losses agree across runners
-        assert row["loss_curve"][0][1] == pytest.approx(rows["torch"]["loss_curve"][0][1], rel=0.02)
-    assert rows["dstrain"]["ds_config_matches_rendered"] is True
-    assert rows["dstrain"]["vs_deepspeed"] > 0
-
-
-def test_suite_trains_an_hf_shape_with_a_variant_and_bounds_the_offload_row(tmp_path):
-    """--hf-shape builds the folder once; torch (as it is and in an accumulating variant) and dstrain train it
-    from the same weights; the offload row carries its fraction of the host's bound. (The torch runner's
-    +compile_blocks calls dstrain's compile_hf_blocks, whose loss and gradients equal eager's in
-    test_hf_compile.py; compiling it here cost minutes of C++ builds on 2 cores for the same fact.)"""
-    run_script("suite.py", "--accelerator", "cpu", "--hf-shape", "tiny-qwen2", "--hf-dir", str(tmp_path / "hf"),
-               "--seq-len", "32", "--micro-batch", "2", "--steps", "6", "--log-every", "2", "--warmup", "2",
-               "--runners", "torch,dstrain", "--presets", "stage2_offload", "--variant", "a2@torch=train.grad_accum_steps=2",
-               "--bound-elements", "1000000", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"))
-    [path] = (tmp_path / "out").glob("*-cpu.json")
-    doc = json.loads(path.read_text())
-    assert doc["model"]["architecture"] == "Qwen2ForCausalLM" and doc["model"]["name"].startswith("hf:")
-    assert (tmp_path / "hf" / "tiny-qwen2" / "config.json").exists()
-    assert doc["offload_rates"]["adam_gb_s"] > 0 and doc["offload_rates"]["h2d_gb_s"] is None  # no GPU here
-    rows = {(row["runner"], row["variant"]): row for row in doc["rows"]}
-    assert set(rows) == {("torch", ""), ("torch", "a2"), ("dstrain", "")}
-    for row in rows.values():
-        assert row["status"] == "ok", row
+        assert row["loss_curve"][0][1] == pytest.approx(torch_row["loss_curve"][0][1], rel=0.02)
+    assert rows[("dstrain", "")]["ds_config_matches_rendered"] is True
+    assert rows[("dstrain", "")]["vs_deepspeed"] > 0
     # torch accumulating the same micro batch twice takes the same update: the same losses, twice the tokens
     assert rows[("torch", "a2")]["grad_accum"] == 2
     assert [loss for _, loss in rows[("torch", "a2")]["loss_curve"]] == pytest.approx(
-        [loss for _, loss in rows[("torch", "")]["loss_curve"]], rel=1e-5)
-    bound = rows[("dstrain", "")]["offload_bound"]
-    assert bound["adam_s"] > 0 and bound["gpu_s"] > 0  # the torch row's step time is the GPU's part
-    assert bound["fraction"] == pytest.approx(bound["bound_s"] / (rows[("dstrain", "")]["step_ms"] / 1000), rel=0.01)
+        [loss for _, loss in torch_row["loss_curve"]], rel=1e-5)
+    for runner in ("deepspeed", "dstrain"):
+        bound = rows[(runner, "")]["offload_bound"]
+        assert bound["adam_s"] > 0 and bound["gpu_s"] > 0  # the torch row's step time is the GPU's part
+        assert bound["fraction"] == pytest.approx(bound["bound_s"] / (rows[(runner, "")]["step_ms"] / 1000), rel=0.01)
+
+
+@pytest.mark.parametrize("preset", ["none", "stage2", "stage3_nvme"])
+def test_suite_settings_for_the_built_in_gpt_resolve_and_count_its_parameters(preset, tmp_path):
+    """The suite's built-in GPT (the README's peer rows, trained on GPUs; the rows on CPU ranks are the hf:
+    call's above): each row's dstrain settings resolve as `dstrain run` resolves them, and the model's
+    parameters and FLOPs a token are counted from the model those settings build."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import suite
+    from dstrain.config.resolve import resolve
+    from dstrain.models import model_builder
+    args = SimpleNamespace(hf=None, hf_shape=None, n_layer=2, d_model=64, n_head=2, vocab_size=256, seq_len=32,
+                           micro_batch=2, steps=6, log_every=2, warmup=2, set=None, nvme_path=str(tmp_path))
+    config = resolve(preset if preset != "none" else None, None, suite._shape_sets(args, preset, 1), world_size=1,
+                     accelerator="cpu", env={}).config
+    assert (config.model.n_layer, config.model.d_model, config.data.seq_len) == (2, 64, 32)
+    model = suite._model_info(args)
+    built = model_builder(config)()
+    assert model["name"] == "gpt" and model["params"] == sum(p.numel() for p in built.parameters())
+    assert model["flops_per_token"] > 6 * model["params"]  # plus attention
 
 
 def test_largest_model_search_trains_the_predicted_depth(tmp_path):

@@ -5,7 +5,6 @@ level, a user model that blocks forever on rank 1 (tests/user_code/usermods.py).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import pytest
 from dstrain.hangs import (SLOW_FACTOR, Beat, collective_timeout_s, hang_timeout_s, judge, read_beats)
 from dstrain.launcher.watchdog import dump_stacks, report
 from dstrain.rank.heartbeat import WRITE_EVERY_S, Heartbeat
+from launcher import dstrain
 
 RANK_STUCK_IN_FORWARD = textwrap.dedent("""
     import sys, time
@@ -150,8 +150,7 @@ def hung_job(tmp_path_factory):
                  "train.log_every=1", "train.save_every=2", "train.eval_every=1000",
                  f"train.hang_timeout_s={HANG_TIMEOUT_S}"):
         args += ["--set", item]
-    done = subprocess.run([sys.executable, "-m", "dstrain.cli", *args], cwd=USER_CODE, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "COLUMNS": "250"})
+    done = dstrain(*args, cwd=USER_CODE, timeout=600, env={"COLUMNS": "250"})  # in this process: no fresh interpreter
     ended_at = time.time()
     blocked_at = read_beats(run_dir)[1].since  # rank 1's last report: the forward it never left
     return run_dir, done, ended_at - blocked_at

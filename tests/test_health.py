@@ -2,8 +2,10 @@
 complete checkpoint and skips that step's samples; `--resume auto`; time-based saves; early stopping.
 
 Unit tests check the pieces (detector, skip-list arithmetic, rollback target, auto-resume choice,
-config checks); the two `integration` tests start real CPU ranks through `dstrain run` and the
-deepspeed launcher, two runs each, and check several facts per run.
+config checks). The `integration` tests read two launches of one run directory through `dstrain run` and
+the deepspeed launcher (2 CPU ranks each): `gave_up` starts fresh with `--resume auto`, saves by the clock,
+rolls back once and gives up at the second bad step; `continued` resumes it with `--resume auto` and more
+rollbacks allowed, keeps the skips and the rollback count, rolls back again and stops early.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -22,7 +25,7 @@ from dstrain.rank.cadence import EarlyStop, SaveClock
 from dstrain.rank.health import Detector, HealthState, data_step, rollback_target, samples_of
 from dstrain.launcher.supervise import every_rank_gave_up
 from dstrain.rundir import CHECKPOINTS, GAVE_UP, HEALTH, RANKS
-from launcher import assert_ok, dstrain, run_tiny
+from launcher import assert_ok, dstrain
 
 USER_CODE = Path(__file__).parent / "user_code"
 
@@ -234,78 +237,103 @@ def items_of(data_step_index: int, train_items: int, global_batch: int, seed: in
     return DatasetSampler(list(range(train_items)), seed).batch(samples.start, len(samples)).tolist()
 
 
-def poisoned_run(run_dir: Path, max_steps: int, poison: list[int], resume: str | None = None):
-    # 1000 items, 950 for training: one epoch is 118 steps, so no item comes back within these runs.
-    sets = ["model.name=usermods:poisoned", f"model.kwargs={{poison: {poison}}}",
-            "data.source=usermods:numbered_pairs", "data.kwargs={size: 1000}", "data.seq_len=1",
-            "train.micro_batch_size=4", "train.schedule=constant", "train.lr=0.05", "train.weight_decay=0",
-            "train.log_every=2", "train.save_every=2", "train.eval_every=100", "train.eval_batches=2",
-            f"train.max_steps={max_steps}", "train.max_rollbacks=1"]
-    args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir)]
-    for item in sets:
+POISON_SETS = ("model.name=usermods:poisoned", "data.source=usermods:numbered_pairs", "data.kwargs={size: 1000}",
+               "data.seq_len=1", "train.micro_batch_size=4", "train.schedule=constant", "train.lr=0.05",
+               "train.weight_decay=0", "train.log_every=2", "train.eval_batches=2",
+               # checkpoints by the clock alone: 0.0001 minutes is always due, so the ranks' vote (cast at one
+               # step, agreed at the next) saves at every second step; save_every never comes
+               "train.save_every=100", "train.save_every_minutes=0.0001")
+
+
+def poisoned_run(run_dir: Path, poison: list[int], *sets: str):
+    """`dstrain run --resume auto` of the poisoned user model on 2 CPU ranks. 1000 items, 950 for training:
+    one epoch is 118 steps, so no item comes back within these runs."""
+    args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir),
+            "--resume", "auto"]
+    for item in (*POISON_SETS, f"model.kwargs={{poison: {poison}}}", *sets):
         args += ["--set", item]
-    if resume:
-        args += ["--resume", resume]
     return dstrain(*args, cwd=USER_CODE, env={"COLUMNS": "250"})  # in this process, from the user's folder
 
 
-@pytest.mark.integration
-def test_an_inf_loss_rolls_back_skips_its_samples_and_a_second_one_past_max_rollbacks_gives_up(tmp_path):
-    run_dir = tmp_path / "run"
-    # One item of step 5 (data step 4, samples 32-39) and one of step 9 once step 5's data is skipped
-    # (data step 9, samples 72-79): each makes its batch's loss infinite.
+@pytest.fixture(scope="module")
+def gave_up(tmp_path_factory):
+    """One launch, started as a requeued job (`--resume auto` in an empty run directory), that rolls back
+    once and then gives up. One item of step 5 (data step 4, samples 32-39) and one of step 9 once step 5's
+    data is skipped (data step 9, samples 72-79): each makes its batch's loss infinite. With
+    train.max_rollbacks=1 the first rolls back to step 4 and the second, at step 9, ends the run (exit 1).
+    What the tests read is kept here, before `continued` adds to the run directory."""
+    run_dir = tmp_path_factory.mktemp("health") / "run"
+    run_dir.mkdir()  # a requeued job: the directory exists, nothing is in it yet
     poison = [items_of(4, 950, 8)[0], items_of(9, 950, 8)[0]]
+    result = poisoned_run(run_dir, poison, "train.max_steps=12", "train.max_rollbacks=1", "train.eval_every=8")
+    return SimpleNamespace(run_dir=run_dir, poison=poison, result=result, events=events(run_dir),
+                           output=" ".join((result.stdout + result.stderr).split()),
+                           latest=(run_dir / CHECKPOINTS / LATEST).read_text(),
+                           health=json.loads((run_dir / HEALTH).read_text()))
 
-    first = poisoned_run(run_dir, max_steps=8, poison=poison)
-    assert_ok(first)
-    records = events(run_dir)
-    rollbacks = [r for r in records if r.get("event") == "rollback"]
+
+@pytest.fixture(scope="module")
+def continued(gave_up):
+    """What the give-up report advises: the same command with train.max_rollbacks raised (and more steps,
+    evaluations every 2 steps, early stopping) continues the run from its last checkpoint."""
+    result = poisoned_run(gave_up.run_dir, gave_up.poison, "train.max_steps=20", "train.max_rollbacks=2",
+                          "train.eval_every=2", "train.early_stop_patience=2", "train.early_stop_min_delta=100")
+    return SimpleNamespace(result=result, events=events(gave_up.run_dir),
+                           output=" ".join((result.stdout + result.stderr).split()))
+
+
+@pytest.mark.integration
+def test_an_inf_loss_rolls_back_skips_its_samples_and_a_second_one_past_max_rollbacks_gives_up(gave_up):
+    """Reads `gave_up`."""
+    assert gave_up.result.returncode == 1, gave_up.output[-3000:]
+    rollbacks = [r for r in gave_up.events if r.get("event") == "rollback"]
     assert len(rollbacks) == 1
     assert {k: rollbacks[0][k] for k in ("from_step", "to_step", "bad_step", "skipped_samples")} == \
         {"from_step": 6, "to_step": 4, "bad_step": 5, "skipped_samples": [32, 40]}
-    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    losses = {r["step"]: r["loss"] for r in gave_up.events if "loss" in r}
     assert sorted(losses) == [2, 4, 6, 8] and all(math.isfinite(v) for v in losses.values())
-    assert (run_dir / CHECKPOINTS / LATEST).read_text() == tag_for(8)
-    assert json.loads((run_dir / HEALTH).read_text())["skipped_data_steps"] == [4]
+    assert gave_up.health["skipped_data_steps"] == [4]
     assert "non-finite loss (inf) at step 5; rolled back from step 6 to step00000004, skipping global " \
-           "samples 32-39" in first.stdout
+           "samples 32-39" in " ".join(gave_up.result.stdout.split())
 
-    # Resumed: step 9 trains on data step 9 (the skip is kept), meets the second poisoned item, and
-    # with max_rollbacks=1 already used the run gives up with a report and exit code 1.
-    second = poisoned_run(run_dir, max_steps=12, poison=poison, resume="latest")
-    output = " ".join((second.stdout + second.stderr).split())
-    assert second.returncode == 1, output[-3000:]
+    # Step 9 trains on data step 9 (step 5's data is skipped), meets the second poisoned item, and with
+    # max_rollbacks=1 already used the run gives up with a report and exit code 1.
     assert ("run health: gave up at step 10: non-finite loss (inf) at step 9 (global samples 72-79); "
-            "train.max_rollbacks is 1 and 1 rollback(s) were made") in output
+            "train.max_rollbacks is 1 and 1 rollback(s) were made") in gave_up.output
     assert "rollback 1: non-finite loss (inf) at step 5; back from step 6 to step 4, skipped global samples " \
-           "32-39" in output
-    gave_up = [r for r in events(run_dir) if r.get("event") == "gave_up"]
-    assert [(r["step"], r["bad_step"], r["samples"]) for r in gave_up] == [(10, 9, [72, 80])]
-    assert (run_dir / CHECKPOINTS / LATEST).read_text() == tag_for(8)  # nothing of the bad steps was saved
-    assert all(math.isfinite(r["loss"]) for r in events(run_dir) if "loss" in r)
+           "32-39" in gave_up.output
+    assert [(r["step"], r["bad_step"], r["samples"]) for r in gave_up.events if r.get("event") == "gave_up"] == \
+        [(10, 9, [72, 80])]
+    assert gave_up.latest == tag_for(8)  # nothing of the bad steps was saved
 
 
 @pytest.mark.integration
-def test_resume_auto_starts_fresh_then_continues_with_time_based_saves_and_an_early_stop(tmp_path):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()  # a requeued job: the directory exists, nothing is in it yet
-    common = ("train.log_every=2", "train.save_every=100")
+def test_resume_auto_starts_fresh_in_an_empty_run_dir_and_saves_by_the_clock(gave_up):
+    """Reads `gave_up`: its checkpoints, step 4 (rolled back to) and step 8 (the last), came from the clock."""
+    assert "--resume auto: no complete checkpoint" in gave_up.result.stdout
+    assert "checkpoint step00000002 saved" in gave_up.result.stdout  # by the clock: save_every is 100
+    assert [r["to_step"] for r in gave_up.events if r.get("event") == "rollback"] == [4]
+    assert gave_up.latest == tag_for(8)
 
-    fresh = run_tiny(run_dir, "stage2", *common, "train.max_steps=4", "train.save_every_minutes=0.0001",
-                     "train.eval_every=100", resume="auto")
-    assert_ok(fresh)
-    assert "--resume auto: no complete checkpoint" in fresh.stdout
-    assert "checkpoint step00000002 saved" in fresh.stdout  # by the clock: save_every is 100
-    assert (run_dir / CHECKPOINTS / LATEST).read_text() == tag_for(4)
 
-    # The same command with more steps continues. Its best eval loss so far is step 4's (the only eval);
-    # none improves on it by 100, so the evals at steps 6 and 8 end the run at step 8, with a checkpoint.
-    resumed = run_tiny(run_dir, "stage2", *common, "train.max_steps=20", "train.eval_every=2",
-                       "train.early_stop_patience=2", "train.early_stop_min_delta=100", resume="auto")
-    assert_ok(resumed)
-    assert "resumed from step00000004 at step 4" in resumed.stdout
-    assert "early stop at step 8: the eval loss has not improved for 2 evaluation(s)" in " ".join(resumed.stdout.split())
-    assert (run_dir / CHECKPOINTS / LATEST).read_text() == tag_for(8)
-    records = events(run_dir)
-    assert [r["step"] for r in records if r.get("event") == "early_stop"] == [8]
-    assert max(r["step"] for r in records if "loss" in r) == 8
+@pytest.mark.integration
+def test_resume_auto_continues_with_the_skips_and_rollbacks_made_and_stops_early(gave_up, continued):
+    """Reads `continued`, which resumes `gave_up`'s run."""
+    assert_ok(continued.result)
+    assert "resumed from step00000008 at step 8" in continued.output
+    # The skip came back with the checkpoint: step 9 trains on data step 9 again and meets its poisoned
+    # item; the rollback made before counts, so this one is the second of the two now allowed.
+    assert "non-finite loss (inf) at step 9; rolled back from step 10 to step00000008, skipping global samples " \
+           "72-79 (rollback 2 of at most 2)" in continued.output
+    rollbacks = [r for r in continued.events if r.get("event") == "rollback"]
+    assert [(r["from_step"], r["to_step"], r["bad_step"], r["skipped_samples"]) for r in rollbacks] == \
+        [(6, 4, 5, [32, 40]), (10, 8, 9, [72, 80])]
+    assert json.loads((gave_up.run_dir / HEALTH).read_text())["skipped_data_steps"] == [4, 9]
+    # The best eval loss so far is step 8's, from the first launch; none improves on it by 100, so the evals
+    # at steps 10 and 12 end the run at step 12, with a checkpoint. (Had the early-stop count not come back
+    # with the checkpoint, step 10's eval would be the best and the run would stop at step 14.)
+    assert "early stop at step 12: the eval loss has not improved for 2 evaluation(s)" in continued.output
+    assert (gave_up.run_dir / CHECKPOINTS / LATEST).read_text() == tag_for(12)
+    assert [r["step"] for r in continued.events if r.get("event") == "early_stop"] == [12]
+    assert max(r["step"] for r in continued.events if "loss" in r) == 12
+    assert all(math.isfinite(r["loss"]) for r in continued.events if "loss" in r)

@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dstrain.cli import app
-from launcher import TINY, assert_ok, losses
+from launcher import TINY, assert_ok, dstrain, losses
 
 EXAMPLE_HOSTFILE = Path(__file__).parent.parent / "examples" / "multinode" / "hostfile"  # worker-0/1, slots=8
 
@@ -212,13 +212,13 @@ def test_deepspeed_backends_build_a_runnable_rank_command(tmp_path, launcher, ex
         (tools / name).write_text(FAKE_TOOL)
         (tools / name).chmod(0o755)
     log, run_dir = tmp_path / "calls.log", tmp_path / "run"
-    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log)}
+    env = {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log)}
     args = ["run", "--accelerator", "cpu", "--hostfile", str(EXAMPLE_HOSTFILE), "--launcher", launcher,
             "--master-addr", "worker-0", "--run-dir", str(run_dir)]
     for item in TINY:
         args += ["--set", item]
-    result = subprocess.run([sys.executable, "-m", "dstrain.cli", *args], env=env, capture_output=True, text=True,
-                            timeout=300)
+    # in this process (no fresh interpreter importing torch and DeepSpeed): the runner finds the stand-ins on PATH
+    result = dstrain(*args, env=env, timeout=300)
     assert_ok(result)
     rank_command = [line for line in log.read_text().splitlines() if not line.startswith("ssh ")]
     assert len(rank_command) == 1, log.read_text()
@@ -261,14 +261,12 @@ def test_pdsh_nodes_train_on_the_run_directorys_settings_not_their_environment(t
         tool.chmod(0o755)
     hostfile, log, run_dir = tmp_path / "hostfile", tmp_path / "calls.log", tmp_path / "run"
     hostfile.write_text("worker-0 slots=1\nworker-1 slots=1\n")
-    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log),
-           "DSTRAIN_EXAMPLE_SWITCH": "0"}
+    env = {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log), "DSTRAIN_EXAMPLE_SWITCH": "0"}
     args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--hostfile", str(hostfile), "--launcher", "pdsh",
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--run-dir", str(run_dir)]
     for item in (*TINY, "train.max_steps=2", "train.log_every=1", "train.eval_every=2", "train.save_every=2"):
         args += ["--set", item]
-    result = subprocess.run([sys.executable, "-m", "dstrain.cli", *args], env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = dstrain(*args, env=env, timeout=600)
     assert_ok(result)
     pdsh = log.read_text().splitlines()[-1]
     exported = {part.split("=")[0] for part in pdsh.split("export ")[1:]}
@@ -309,6 +307,16 @@ def dstrain_run(run_dir: Path, *extra: str, sets: tuple[str, ...] = (), log: Pat
     output = open(log, "w") if log else subprocess.PIPE
     return subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "COLUMNS": "250"})
+
+
+def run_here(run_dir: Path, *extra: str, sets: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """The same `dstrain run` as dstrain_run, to its end in this process (launcher.dstrain: no fresh interpreter
+    importing torch and DeepSpeed), for the one-node runs nothing interrupts; stderr after stdout, as one stream."""
+    args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--run-dir", str(run_dir), *extra]
+    for item in (*TINY, *STEPS, *sets):
+        args += ["--set", item]
+    done = dstrain(*args, timeout=600, env={"COLUMNS": "250"})
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout + done.stderr, "")
 
 
 def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
@@ -394,7 +402,7 @@ def two_nodes_then_one_killed(tmp_path_factory):
     os.kill(rank_pid(shared, 1), signal.SIGKILL)
     node1, node0 = ended(nodes, logs, since=time.monotonic())
     single = base / "one_node"
-    one_node = finish(dstrain_run(single, "--gpus", "2"))
+    one_node = run_here(single, "--gpus", "2")
     return SimpleNamespace(shared=shared, node0=node0, node1=node1, single=single, one_node=one_node)
 
 
@@ -468,8 +476,8 @@ def two_nodes_then_one_stopped(tmp_path_factory):
     records = {p.name: p.read_text() for p in (shared / "ranks").iterdir() if p.suffix in (".exit", ".verdict")}
     saved = int((shared / "checkpoints" / "latest").read_text().strip()[len("step"):])
     last = max(sorted(before)[-1], saved + 2) + 1  # the resume repeats every step the two nodes logged past `saved`
-    resumed = finish(dstrain_run(shared, "--gpus", "1", "--resume", "auto",
-                                 sets=(f"train.max_steps={last}", "train.grad_accum_steps=2", *data)))
+    resumed = run_here(shared, "--gpus", "1", "--resume", "auto",
+                       sets=(f"train.max_steps={last}", "train.grad_accum_steps=2", *data))
     return SimpleNamespace(shared=shared, node0=node0, node1=node1, stopped_pid=stopped_pid, before=before,
                            records=records, saved=saved, last=last, resumed=resumed)
 

@@ -3,7 +3,8 @@ CPU offload with the step done in chunks and each gradient copied to the host on
 weights and the gradient accumulation are bf16; summed on the device until then where it accumulates)
 trains bit for bit as DeepSpeed's own step and copies
 (real engines, DeepSpeedCPUAdam, one rank in a subprocess so its process group stays out of the test
-process: tests/scripts/offload_step_zero3.py). Integration lane: DeepSpeed start-up and the CPU Adam op."""
+process: tests/scripts/offload_step_zero3.py; the CPU cases of three tests in one such process). Integration
+lane: DeepSpeed start-up and the CPU Adam op."""
 
 from __future__ import annotations
 
@@ -61,25 +62,35 @@ ACCUMULATE_CASES = (("bf16", 2, 0.05, True, 1, None), ("bf16", 3, 100.0, False, 
                     ("fp32", 3, 0.05, False, None, None))
 
 
+# Parameter offload or not, accumulation, an overflow step; persistent parameters in every case.
+OVERLAP_CASES = (("bf16", 1, 0.05, True, None, None), ("fp32", 2, 0.05, True, None, None),
+                 ("bf16", 1, 100.0, False, None, None), ("bf16", 1, 0.05, True, 1, None))
+
+
 @pytest.fixture(scope="module")
 def on_cpu() -> dict:
-    """The CPU cases of the two tests below, trained by one rank (one start-up)."""
-    return run_script("offload_step_zero3", {"groups": [(CPU_CASES, ("dstrain", "gpu_rounding")),
-                                                        (ACCUMULATE_CASES, ("accumulate",))], "persist": 0})
+    """The CPU cases of the three CPU tests below, trained by one rank (one start-up), by group: "step"
+    (the chunked step, and with its bf16 rounding in a pass of its own), "accumulate" (the sums on the device) and
+    "overlap" (the step beside the next forward, persistent parameters: threshold 100), in that order."""
+    return run_script("offload_step_zero3", {"groups": {
+        "step": (CPU_CASES, ("dstrain", "gpu_rounding"), 0), "accumulate": (ACCUMULATE_CASES, ("accumulate",), 0),
+        "overlap": (OVERLAP_CASES, ("overlap",), 100)}})
 
 
 def test_zero3_offload_step_in_chunks_and_direct_grads_are_bit_identical_to_deepspeeds(on_cpu):
     """The new weights rounded to bf16 by dstrain's Adam op in its pass, from bf16 gradients and (fp32
-    accumulation) fp32 ones, with and without clipping; and, switched off, in a pass of their own."""
-    _assert_bit_identical(on_cpu, on_gpu=False)
-    _assert_bit_identical(on_cpu, on_gpu=False, variant="gpu_rounding")
+    accumulation) fp32 ones, with and without clipping; and, switched off, in a pass of their own.
+    Reads `on_cpu`'s "step" group."""
+    _assert_bit_identical(on_cpu["step"], on_gpu=False)
+    _assert_bit_identical(on_cpu["step"], on_gpu=False, variant="gpu_rounding")
 
 
 def test_zero3_offload_gradients_summed_on_the_device_are_bit_identical_to_deepspeeds(on_cpu):
     """The micro steps' gradient partitions summed in device buffers, sent to the host once at the
     boundary: the same norms, masters and bf16 weights as DeepSpeed's host-buffer sums. (Beside the
-    overlapped step: test_run.py's two-rank stage3_offload test, and the GPU test below.)"""
-    _assert_bit_identical(on_cpu, on_gpu=False, variant="accumulate")
+    overlapped step: test_run.py's two-rank stage3_offload test, and the GPU test below.) Reads `on_cpu`'s
+    "accumulate" group."""
+    _assert_bit_identical(on_cpu["accumulate"], on_gpu=False, variant="accumulate")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the chunked step rounds to bf16 there")
@@ -93,11 +104,6 @@ def test_zero3_offload_step_on_a_gpu_is_bit_identical_to_deepspeeds_step():
     _assert_bit_identical(out, on_gpu=True, variant="gpu_rounding")
 
 
-# Parameter offload or not, accumulation, an overflow step; persistent parameters in every case.
-OVERLAP_CASES = (("bf16", 1, 0.05, True, None, None), ("fp32", 2, 0.05, True, None, None),
-                 ("bf16", 1, 100.0, False, None, None), ("bf16", 1, 0.05, True, 1, None))
-
-
 def _assert_overlapped(out: dict, on_gpu: bool, variant: str = "overlap") -> None:
     _assert_bit_identical(out, on_gpu, variant=variant)
     for key, by_name in out.items():
@@ -107,10 +113,11 @@ def _assert_overlapped(out: dict, on_gpu: bool, variant: str = "overlap") -> Non
         assert ours["waits"] >= ours["overlapped_steps"] - 1, key  # each next forward met a step in progress
 
 
-def test_zero3_offload_step_beside_the_next_forward_is_bit_identical_to_deepspeeds():
+def test_zero3_offload_step_beside_the_next_forward_is_bit_identical_to_deepspeeds(on_cpu):
     """offload_overlap_zero3.py: the step's chunks on a worker thread, slowed down, while the next forward
-    gathers each parameter only once its chunks have landed: the same weights and norms as DeepSpeed's."""
-    _assert_overlapped(run_script("offload_step_zero3", _params(OVERLAP_CASES, ("overlap",), persist=100)), on_gpu=False)
+    gathers each parameter only once its chunks have landed: the same weights and norms as DeepSpeed's.
+    Reads `on_cpu`'s "overlap" group (formerly a one-rank process of its own)."""
+    _assert_overlapped(on_cpu["overlap"], on_gpu=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the worker queues its copies on a CUDA stream")

@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from scripts.pch_cxx import header_flags, includes_torch
+from scripts.pch_cxx import compile_once, header_flags, includes_torch
 import op_gate
 
 TORCH = "/venv/lib/python3.11/site-packages/torch/include"
@@ -62,3 +62,39 @@ def test_a_test_waits_at_the_gate_until_the_build_opens_it(tmp_path, monkeypatch
     assert time.monotonic() - started >= 0.25 and os.path.exists(prefix + op_gate.BASE)
     monkeypatch.delenv(op_gate.GATE_ENV)
     op_gate.wait_for_ops(nvme=True)  # no build in this session: nothing to wait for
+
+
+def _compile(tmp_path: Path, source: Path, module: str, compiler: str = "c++") -> tuple[int, Path]:
+    """As ninja runs a compile of torch's JIT build: in the op's own build folder, with the object's name (the
+    same in each op's folder) relative to it."""
+    build = tmp_path / module
+    build.mkdir(exist_ok=True)
+    args = ["-MMD", "-MF", "impl.o.d", f"-DTORCH_EXTENSION_NAME={module}", "-O2", "-c", str(source), "-o", "impl.o"]
+    here = os.getcwd()
+    os.chdir(build)
+    try:
+        return compile_once([compiler, *args], args, tmp_path / "objects"), build
+    finally:
+        os.chdir(here)
+
+
+def test_a_source_two_ops_compile_alike_is_compiled_once_and_one_that_reads_the_module_name_for_each(tmp_path):
+    shared = tmp_path / "impl.cpp"
+    shared.write_text('#include "impl.h"\nint twice(int x) { return 2 * x; }\n')
+    (tmp_path / "impl.h").write_text("int twice(int x);\n")
+    code, first = _compile(tmp_path, shared, "fused_adam")
+    assert code == 0 and (first / "impl.o").stat().st_size > 0
+    # the second op's compile is the first's object (`false` as the compiler: it would fail had it run)
+    code, second = _compile(tmp_path, shared, "cpu_adam", compiler="false")
+    assert code == 0
+    assert (second / "impl.o").read_bytes() == (first / "impl.o").read_bytes()
+    assert "impl.h" in (second / "impl.o.d").read_text()  # ninja reads the headers it depends on from there
+    # other flags are another object
+    args = ["-O0", "-c", str(shared), "-o", str(tmp_path / "o0.o")]
+    assert compile_once(["false", *args], args, tmp_path / "objects") != 0
+
+    binding = tmp_path / "binding.cpp"
+    binding.write_text('#define STR(x) #x\n#define NAME(x) STR(x)\nconst char* name = NAME(TORCH_EXTENSION_NAME);\n')
+    assert _compile(tmp_path, binding, "fused_adam")[0] == 0
+    assert _compile(tmp_path, binding, "cpu_adam", compiler="false")[0] != 0
+

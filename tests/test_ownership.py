@@ -21,7 +21,7 @@ from dstrain.cli import app
 from dstrain.errors import UserError
 from dstrain.launcher.ownership import acquire
 from dstrain.launcher.run_directory import prepare_run_dir
-from launcher import TINY
+from launcher import TINY, dstrain
 
 HOLD = textwrap.dedent("""
     import sys, time
@@ -139,8 +139,8 @@ def two_jobs(tmp_path_factory):
     try:
         wait_for(lambda: len(metric_steps(run_dir)) >= 2, job_a, log, "two training steps")
         config_before = (run_dir / "config.yaml").read_text()
-        job_b = subprocess.run([sys.executable, "-m", "dstrain.cli", *args, *sets, "--set", "train.max_steps=10"],
-                               capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "250"})
+        # B in this process (no fresh interpreter): refused sooner, so A trains fewer steps while it waits
+        job_b = dstrain(*args, *sets, "--set", "train.max_steps=10", timeout=300, env={"COLUMNS": "250"})
         steps_at_b = metric_steps(run_dir)[-1]
         wait_for(lambda: metric_steps(run_dir)[-1] >= steps_at_b + 2, job_a, log, "two more steps after B")
         config_after = (run_dir / "config.yaml").read_text()

@@ -1,8 +1,8 @@
 """Preference objectives in the real training path (issue 52): the loss the model's forward computes
 (dstrain.models.preference) against preference_loss's functions on log-probs computed by hand from the
 whole logits; the micro batch weighting and metric averaging of the rank (dstrain.rank.preference); one DPO
-step with a real deepspeed.initialize per reference mode; and one launcher run (LoRA DPO at ZeRO-2 on
-two ranks, resumed on one, converted and generated from)."""
+step with a real deepspeed.initialize per reference mode (both modes in one one-rank process); and one
+launcher run (LoRA DPO at ZeRO-2 on two ranks, resumed on one, converted and generated from)."""
 
 from __future__ import annotations
 
@@ -124,13 +124,25 @@ def test_packed_micro_batches_are_weighted_by_their_pairs_so_the_step_is_the_mea
 
 # --- a real engine on one rank ------------------------------------------------------------------------------
 
-@pytest.mark.integration
-@pytest.mark.parametrize("reference, preset, sets", [("adapters_off", "stage2", ["model.lora={r: 4, alpha: 8}"]),
-                                                     ("model", "stage3", [])])
-def test_one_dpo_step_of_a_real_engine_equals_the_dpo_loss_computed_by_hand(tmp_path, reference, preset, sets):
+# The two reference modes: adapters_off (LoRA at ZeRO-2) and model (a frozen copy at ZeRO-3).
+DPO_STEP_CASES = [("adapters_off", "stage2", ["model.lora={r: 4, alpha: 8}"]), ("model", "stage3", [])]
+
+
+@pytest.fixture(scope="module")
+def dpo_steps(tmp_path_factory) -> dict:
+    """One DPO step of a real engine for each of DPO_STEP_CASES, by reference mode: one rank, one start-up
+    for both (tests/scripts/preference_step.py; each case its own engine, model and folder)."""
     from one_rank import run_script
-    out = run_script("preference_step", {"dir": str(tmp_path), "reference": reference, "preset": preset,
-                                          "sets": sets}, timeout=400)
+    cases = [{"dir": str(tmp_path_factory.mktemp(f"dpo_{reference}")), "reference": reference, "preset": preset,
+              "sets": sets} for reference, preset, sets in DPO_STEP_CASES]
+    return run_script("preference_step", {"cases": cases}, timeout=600)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("reference, preset, sets", DPO_STEP_CASES)
+def test_one_dpo_step_of_a_real_engine_equals_the_dpo_loss_computed_by_hand(dpo_steps, reference, preset, sets):
+    """Reads `dpo_steps`: this reference mode's step, run beside the other mode's in one process."""
+    out = dpo_steps[reference]
     assert out["first"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at the first step
     assert out["moved"] > 1e-3  # the step changed the policy's log-probs
     assert out["engine"] == pytest.approx(out["by_hand"], rel=1e-4, abs=1e-6)

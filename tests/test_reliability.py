@@ -276,6 +276,17 @@ class Job:
     def output(self) -> str:
         return self.log.read_text()
 
+    @staticmethod
+    def run_to_the_end(run_dir: Path, *sets: str, resume: str | None = None) -> subprocess.CompletedProcess:
+        """The same command run to its end in this process (launcher.dstrain): for a run that no signal
+        interrupts, no fresh interpreter importing torch and DeepSpeed."""
+        from launcher import dstrain
+        args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir),
+                *(["--resume", resume] if resume else [])]
+        for item in (*TINY, "train.eval_every=100000", "train.log_every=1", *sets):
+            args += ["--set", item]
+        return dstrain(*args, timeout=300)
+
     def wait_for(self, condition, what: str, timeout: float = 240) -> None:
         end = time.monotonic() + timeout
         while not condition():
@@ -423,14 +434,14 @@ def test_resume_after_a_killed_rank_skips_the_interrupted_and_a_truncated_tag(ki
     assert good.returncode == 0 and "intact (sizes and SHA-256 match)" in flat(good.stdout), good.stdout
     assert bad.returncode == 2 and f"damaged: {shard} truncated: 1000 bytes" in flat(bad.stdout), bad.stdout
 
-    resumed = Job.start(job.run_dir, "train.max_steps=6", "train.save_every=2", resume="latest")
-    resumed.finish(timeout=300)
-    output = flat(resumed.output)
-    assert resumed.process.returncode == 0, resumed.output
+    resumed = Job.run_to_the_end(job.run_dir, "train.max_steps=6", "train.save_every=2", resume="latest")
+    resumed_output = resumed.stdout + resumed.stderr
+    output = flat(resumed_output)
+    assert resumed.returncode == 0, resumed_output
     assert ("'latest' names step00000004, which is damaged (zero_pp_rank_1_mp_rank_00_optim_states.pt truncated: "
             "1000 bytes") in output
     assert "step00000006 is incomplete (its save was interrupted) and is skipped" in output
-    assert "resumed from step00000002 at step 2" in resumed.output
+    assert "resumed from step00000002 at step 2" in resumed_output
     assert metric_steps(job.run_dir)[-4:] == [3, 4, 5, 6]
     assert latest_tag(job.run_dir) == "step00000006"
     assert verify(checkpoints / "step00000004") is not None  # saved again, whole this time
@@ -477,10 +488,9 @@ def test_sigterm_checkpoint_is_complete_and_at_the_step_training_stopped(termina
 def test_resume_after_sigterm_continues_from_its_checkpoint(terminated):
     job, result = terminated
     step = verify(job.run_dir / CHECKPOINTS / result.latest).step
-    resumed = Job.start(job.run_dir, f"train.max_steps={step + 2}", "train.save_every=100000", resume="latest")
-    resumed.finish(timeout=300)
-    assert resumed.process.returncode == 0, resumed.output
-    assert f"resumed from {tag_for(step)} at step {step}" in resumed.output
+    resumed = Job.run_to_the_end(job.run_dir, f"train.max_steps={step + 2}", "train.save_every=100000", resume="latest")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed from {tag_for(step)} at step {step}" in resumed.stdout
     assert metric_steps(job.run_dir)[-2:] == [step + 1, step + 2]
     assert latest_tag(job.run_dir) == tag_for(step + 2)
 
@@ -569,10 +579,9 @@ def small_disk(tmp_path):
 @pytest.mark.integration
 def test_a_full_disk_ends_the_job_with_the_checkpoint_path_and_the_cause(small_disk):
     run_dir = small_disk / "run"
-    job = Job.start(run_dir, "train.max_steps=4", "train.save_every=2")
-    job.finish(timeout=300)
-    output = flat(job.output)
-    assert job.process.returncode != 0, output
+    job = Job.run_to_the_end(run_dir, "train.max_steps=4", "train.save_every=2")
+    output = flat(job.stdout + job.stderr)
+    assert job.returncode != 0, output
     assert f"{run_dir / CHECKPOINTS / 'step00000002'}: writing the checkpoint failed: the disk is full" in output
     assert "training failed" in output and "continue with --resume latest" in output
     assert latest_tag(run_dir) is None and complete_checkpoints(run_dir / CHECKPOINTS) == []
@@ -582,9 +591,9 @@ def test_a_full_disk_ends_the_job_with_the_checkpoint_path_and_the_cause(small_d
 # ------------------------------------------------------------------ a run directory that cannot be written
 
 def run_fails_before_launch(run_dir: Path | str) -> str:
-    done = subprocess.run([sys.executable, "-m", "dstrain.cli", "run", "--preset", "stage2", "--accelerator", "cpu",
-                           "--gpus", "2", "--run-dir", str(run_dir), *[a for s in TINY for a in ("--set", s)]],
-                          capture_output=True, text=True, timeout=120)
+    from launcher import dstrain
+    done = dstrain("run", "--preset", "stage2", "--accelerator", "cpu", "--gpus", "2", "--run-dir", str(run_dir),
+                   *[a for s in TINY for a in ("--set", s)], timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     assert "run directory:" not in done.stdout  # nothing was started

@@ -3,9 +3,9 @@ hf: model) and train.activation_checkpointing_offload (DeepSpeed's checkpoint hi
 
 In process: a tiny Llama and a tiny Qwen2 give the same loss and every gradient with their MLPs tiled as
 without (fp32, abs 1e-5), with and without transformers' activation checkpointing. One rank through
-DeepSpeed (a subprocess, gloo): ZeRO-2 and ZeRO-3 (decoder layers as leaf modules, as dstrain makes
-them), one SGD step tiled against one untiled: loss, gradient norm and weights equal. Config: "auto"'s
-rule, and each refusal names its key (no launcher). The estimate's terms. On a GPU only (skipped without
+DeepSpeed (one subprocess for both stages, gloo): ZeRO-2 and ZeRO-3 (decoder layers as leaf modules, as
+dstrain makes them), one SGD step tiled against one untiled: loss, gradient norm and weights equal. Config:
+"auto"'s rule, and each refusal names its key (no launcher). The estimate's terms. On a GPU only (skipped without
 CUDA): the checkpoint offload moves layer inputs to the host and keeps every gradient.
 """
 
@@ -93,14 +93,14 @@ ONE_STEP = """
     from dstrain.models import tiled_mlp
     from dstrain.models.hf import CausalLM, decoder_blocks
 
-    def step(tile):
+    def step(tile, stage):
         model = AutoModelForCausalLM.from_pretrained(DIRECTORY, dtype=torch.float32)
         if tile:
             tiled_mlp.apply(model, 3)
-        if STAGE == 3:  # each decoder layer one fetch, as dstrain makes it (preflight._fetch_blocks_whole)
+        if stage == 3:  # each decoder layer one fetch, as dstrain makes it (preflight._fetch_blocks_whole)
             set_z3_leaf_modules(model, [type(decoder_blocks(model)[0])])
         config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": STAGE}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+                  "zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
                   "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
         engine, *_ = deepspeed.initialize(model=CausalLM(model), config=config)
         torch.manual_seed(0)
@@ -111,24 +111,38 @@ ONE_STEP = """
             engine.step()
         norm = float(engine.get_global_grad_norm())
         params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=STAGE == 3):
+        with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
             weights = [p.detach().clone().flatten().tolist() for p in params]
         return loss.item(), norm, weights
 
-    (loss, norm, weights), (tiled_loss, tiled_norm, tiled_weights) = step(False), step(True)
-    result({"loss": [loss, tiled_loss], "norm": [norm, tiled_norm],
-            "weights": max(max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(weights, tiled_weights))})
+    found = {}
+    for stage in STAGES:  # each stage its own two engines, one after the other
+        (loss, norm, weights), (tiled_loss, tiled_norm, tiled_weights) = step(False, stage), step(True, stage)
+        found[stage] = {"loss": [loss, tiled_loss], "norm": [norm, tiled_norm],
+                        "weights": max(max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(weights, tiled_weights))}
+    result(found)
 """
+
+ZERO_STAGES = [2, 3]
+
+
+@pytest.fixture(scope="module")
+def zero_steps(tmp_path_factory) -> dict:
+    """ONE_STEP at each of ZERO_STAGES on one rank, one start-up for both: by stage (as a string, JSON's key),
+    the tiled and untiled engines' loss, gradient norm and largest weight difference after one step."""
+    directory = save_tiny_qwen2(tmp_path_factory.mktemp("tiled_zero") / "qwen2")
+    return run_one_rank(f"DIRECTORY, STAGES = {str(directory)!r}, {ZERO_STAGES!r}\n" + textwrap.dedent(ONE_STEP))
+
 
 
 @pytest.mark.slow
 @pytest.mark.oldest_deepspeed  # real ZeRO-2/3 engines on one rank: DeepSpeed's version matters
-@pytest.mark.parametrize("stage", [2, 3])
-def test_tiled_mlp_trains_as_the_whole_mlp_under_zero(tmp_path, stage):
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_tiled_mlp_trains_as_the_whole_mlp_under_zero(zero_steps, stage):
     """ZeRO reduces each MLP gradient once, after the last shard (TiledMLP's ds_grad_is_ready), and at
-    ZeRO-3 the leaf decoder layer's weights stay gathered while its shards recompute in backward."""
-    directory = save_tiny_qwen2(tmp_path / "qwen2")
-    found = run_one_rank(f"DIRECTORY, STAGE = {str(directory)!r}, {stage}\n" + textwrap.dedent(ONE_STEP))
+    ZeRO-3 the leaf decoder layer's weights stay gathered while its shards recompute in backward. Reads
+    `zero_steps`' run of this stage (both stages share its one-rank process)."""
+    found = zero_steps[str(stage)]
     assert found["loss"][1] == pytest.approx(found["loss"][0], abs=1e-5)
     assert found["norm"][1] == pytest.approx(found["norm"][0], rel=1e-5)
     assert found["norm"][0] > 0

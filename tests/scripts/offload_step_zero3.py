@@ -3,8 +3,8 @@ own step and with each of params["variants"] of dstrain's (the chunked step and 
 the bf16 rounding on the GPU, the step overlapped with the next forward; with accumulate: the sums
 kept on the device, alone or with the overlap), for each case in
 params["cases"] (precision, accumulation, clip, parameter offload, overflow micro-step, accumulation
-dtype); params["persist"] is the persistence threshold. params["groups"], where given: several
-[cases, variants] pairs in one start-up instead."""
+dtype); params["persist"] is the persistence threshold. params["groups"], where given: several named
+[cases, variants, persist] groups in one start-up instead, the results by group name."""
 
 from __future__ import annotations
 
@@ -90,17 +90,25 @@ def train(device, persist, precision, accum, clip, offload_param, variant, overf
             "overlapped_steps": overlap.steps if overlap else None, "waits": overlap.waits if overlap else None}
 
 
+def train_cases(device, cases, variants, persist) -> dict:
+    """Each case trained by DeepSpeed's step and by each of `variants`, by the case's key."""
+    out = {}
+    for precision, accum, clip, offload_param, overflow_at, accum_dtype in cases:
+        key = f"{precision}-{accum}-clip{clip}" + ("-offload_param" if offload_param else "") + (
+            "-overflow" if overflow_at is not None else "") + (f"-accum_{accum_dtype}" if accum_dtype else "")
+        out[key] = {name: train(device, persist, precision, accum, clip, offload_param, name, overflow_at,
+                                accum_dtype)
+                    for name in ("deepspeed", *variants)}
+    return out
+
+
 def main(params: dict) -> None:
     device = start_rank(params)
-    out = {}
-    for cases, variants in params.get("groups") or [(params["cases"], params["variants"])]:
-        for precision, accum, clip, offload_param, overflow_at, accum_dtype in cases:
-            key = f"{precision}-{accum}-clip{clip}" + ("-offload_param" if offload_param else "") + (
-                "-overflow" if overflow_at is not None else "") + (f"-accum_{accum_dtype}" if accum_dtype else "")
-            out[key] = {name: train(device, params["persist"], precision, accum, clip, offload_param, name,
-                                    overflow_at, accum_dtype)
-                        for name in ("deepspeed", *variants)}
-    result(out)
+    if "groups" in params:
+        result({name: train_cases(device, cases, variants, persist)
+                for name, (cases, variants, persist) in params["groups"].items()})
+    else:
+        result(train_cases(device, params["cases"], params["variants"], params["persist"]))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@
   the code itself;
 - adds no header to a source that includes no torch header, itself or through its own headers (three of
   async_io's sources, one of pin_memory's): with the header, GCC emits torch's inline code into it, 12 s of
-  CPU at -O0 for a source that compiles in 1 s alone.
+  CPU at -O0 for a source that compiles in 1 s alone;
+- compiles a source once for every op that lists it with the same flags: DeepSpeed's fused Adam and CPU Adam
+  both compile csrc/adam/cpu_adam_impl.cpp, with flags that differ only in the module's name, which that
+  source never reads (a source that names TORCH_EXTENSION_NAME is compiled for each op).
 
 On this 2-core machine one of DeepSpeed's Adam sources took 76 s of CPU as DeepSpeed builds it (with -g), 39 s
 without -g, 18 s without -g and with the header precompiled (the header itself, once per flag set, about
@@ -24,6 +27,7 @@ import fcntl
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +102,49 @@ def precompiled(real: str, root: Path, flags: list[str]) -> Path | None:
     return header if Path(f"{header}.gch").exists() else None
 
 
+_MODULE_NAME = "-DTORCH_EXTENSION_NAME="
+
+
+def object_key(args: list[str]) -> str | None:
+    """The key of this compile's object among the session's ops: its command without the module's name, and the
+    source's bytes. None where the object may differ between ops: a source that reads the module's name."""
+    source = Path(args[args.index("-c") + 1])
+    try:
+        text = source.read_bytes()
+    except OSError:
+        return None
+    if b"TORCH_EXTENSION_NAME" in text:
+        return None
+    digest = hashlib.sha1("\0".join(arg for arg in args if not arg.startswith(_MODULE_NAME)).encode())
+    digest.update(text)
+    return digest.hexdigest()[:20]
+
+
+def compile_once(command: list[str], args: list[str], objects: Path) -> int:
+    """Run `command` unless an op compiled the same source with the same flags already: then copy that object
+    (and its dependency file, which names the same object file) to where this build expects them."""
+    key = object_key(args)
+    output = Path(args[args.index("-o") + 1])
+    depfile = Path(args[args.index("-MF") + 1]) if "-MF" in args else None
+    if key is None:
+        return subprocess.run(command).returncode
+    cached = objects / f"{key}.o"
+    if cached.exists() and (depfile is None or cached.with_suffix(".d").exists()):
+        shutil.copyfile(cached, output)
+        if depfile is not None:
+            shutil.copyfile(cached.with_suffix(".d"), depfile)
+        return 0
+    code = subprocess.run(command).returncode
+    if code == 0:
+        objects.mkdir(parents=True, exist_ok=True)
+        if depfile is not None:
+            shutil.copyfile(depfile, objects / f"{key}.d.partial")
+            os.replace(objects / f"{key}.d.partial", cached.with_suffix(".d"))
+        shutil.copyfile(output, objects / f"{key}.o.partial")
+        os.replace(objects / f"{key}.o.partial", cached)  # last: an object present means both files are
+    return code
+
+
 def main() -> None:
     real = os.environ["DSTRAIN_PCH_REAL_CXX"]
     args = sys.argv[1:]
@@ -106,6 +153,8 @@ def main() -> None:
     if flags is not None:
         args = [arg for arg in args if arg != "-g"]
     command = [real, "-include", str(header), *args] if header else [real, *args]
+    if flags is not None and "-o" in args:
+        sys.exit(compile_once(command, args, Path(os.environ["DSTRAIN_PCH_DIR"]) / "objects"))
     os.execv(real, command)
 
 

@@ -1,8 +1,9 @@
-"""One DPO step on one rank with a real deepspeed.initialize (tests/test_preference_training.py): a tiny hf
-Llama, preference.reference `adapters_off` (LoRA, ZeRO-2) or `model` (a frozen copy, ZeRO-3). Returns the
-loss of step 1 (policy == reference), and the loss the engine computes on a second batch after the update
-beside the DPO loss computed by hand from the same weights: the policy's full logits (its current
-weights, gathered) and a fresh copy of the starting model as the reference."""
+"""One DPO step on one rank with a real deepspeed.initialize (tests/test_preference_training.py), for each of
+params["cases"] in turn, in one start-up: a tiny hf Llama, preference.reference `adapters_off` (LoRA, ZeRO-2)
+or `model` (a frozen copy, ZeRO-3), each its own engine and folder. Returns, by reference mode, the loss of
+step 1 (policy == reference), and the loss the engine computes on a second batch after the update beside the
+DPO loss computed by hand from the same weights: the policy's full logits (its current weights, gathered)
+and a fresh copy of the starting model as the reference."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from scripts.rank_setup import parameters, result, start_rank
 def main() -> None:
     params = parameters()
     start_rank(params)
+    result({case["reference"]: one_step(case) for case in params["cases"]})
+
+
+def one_step(params: dict) -> dict:
+    """One case's engine, step and losses."""
     import deepspeed
     import torch
 
@@ -74,8 +80,8 @@ def main() -> None:
     mine, theirs = summed(policy), summed(reference)
     pairs = len(batch["margin"])
     by_hand = pl.dpo_loss(mine[:pairs], mine[pairs:], theirs[:pairs], theirs[pairs:], beta=0.5).loss.item()
-    result({"first": first.item(), "engine": engine_loss, "by_hand": by_hand,
-            "moved": abs(float((mine - theirs).abs().max()))})
+    return {"first": first.item(), "engine": engine_loss, "by_hand": by_hand,
+            "moved": abs(float((mine - theirs).abs().max()))}
 
 
 if __name__ == "__main__":
