@@ -170,7 +170,7 @@ def pytest_collection_finish(session):
         return
     # Every worker collects the same tests, so each knows that gw0 builds and where its gate is.
     controller = os.getppid() if _worker(session.config) is not None else os.getpid()
-    gate = str(Path(tempfile.gettempdir()) / f"dstrain-tests-ops-{controller}")
+    gate = _gate_prefix(controller)
     os.environ[op_gate.GATE_ENV] = gate
     if _worker(session.config) in (None, "gw0"):
         for part in (op_gate.BASE, op_gate.NVME):
@@ -179,6 +179,11 @@ def pytest_collection_finish(session):
         with open(_OP_BUILD_LOG, "w") as log:
             _OP_BUILD = subprocess.Popen([sys.executable, "-m", "scripts.build_ops", gate, *nvme],
                                          cwd=Path(__file__).parent, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _gate_prefix(controller_pid: int) -> str:
+    """The op gate's files of the session whose controller (or plain pytest process) is `controller_pid`."""
+    return str(Path(tempfile.gettempdir()) / f"dstrain-tests-ops-{controller_pid}")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -224,8 +229,12 @@ def pytest_sessionfinish(session):
         said = [line for line in _OP_BUILD_LOG.read_text().splitlines() if line.endswith((" s", "here"))]
         _OP_BUILD_SAID.append(f"DeepSpeed ops built beside the fast lane (exit {_OP_BUILD.returncode}): "
                               + ("; ".join(said) or "none"))
+    if _worker(session.config) is None:
+        # The gate files go when the whole session ends: the controller's end (or pytest's own without xdist),
+        # never a worker's. xdist ends a worker whose queue ran dry while another still runs its last group, and
+        # a test of that group still waiting at the gate would then wait for a file that is gone (2026-11-29).
         for part in (op_gate.BASE, op_gate.NVME):
-            Path(os.environ[op_gate.GATE_ENV] + part).unlink(missing_ok=True)
+            Path(_gate_prefix(os.getpid()) + part).unlink(missing_ok=True)
     _LAUNCHES.stop()
     if _worker(session.config) is not None:
         session.config.workeroutput["launches"] = _LAUNCHES.counts()
