@@ -19,8 +19,6 @@ from dstrain.config.resolve import resolve
 from dstrain.models import fp8
 from dstrain.models.gpt import GPT
 
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
-                                   reason="torchao is not installed (pip install 'dstrain[fp8]')")
 
 
 def _config_error(*args: str) -> str:
@@ -122,7 +120,6 @@ def test_an_hf_model_converts_its_middle_decoder_layers(family):
 
 # --------------------------------------------------------------------------- conversion (torchao)
 
-@needs_torchao
 def test_conversion_keeps_the_state_dict_so_checkpoints_load_in_bf16():
     from torchao.float8.float8_linear import Float8Linear
     torch.manual_seed(0)
@@ -139,7 +136,6 @@ def test_conversion_keeps_the_state_dict_so_checkpoints_load_in_bf16():
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), state.values()))
 
 
-@needs_torchao
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_the_converted_model_trains_close_to_bf16(recipe):
     torch.manual_seed(0)
@@ -237,7 +233,6 @@ def emulated_runs():
     return run_one_rank(gpt + HF_ZERO3 + '\nresult({"gpt": runs, "hf": hf_runs})')
 
 
-@needs_torchao
 @pytest.mark.slow
 def test_zero3_gathers_the_float8_layers_weights_as_zero1_trains_them(emulated_runs):
     """ZeRO-3 partitions each weight and gathers it in module hooks around Float8Linear's forward and
@@ -250,7 +245,6 @@ def test_zero3_gathers_the_float8_layers_weights_as_zero1_trains_them(emulated_r
     assert three["losses"] == pytest.approx(one["losses"], rel=2e-3)
 
 
-@needs_torchao
 @pytest.mark.slow
 def test_an_hf_models_float8_layers_train_at_zero3_with_and_without_whole_decoder_layers(emulated_runs):
     """A Llama built inside zero.Init (partitioned before conversion), at ZeRO-3 with DeepSpeed's per-module hooks
@@ -266,7 +260,6 @@ def _fp8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= fp8.FP8_MIN_CAPABILITY
 
 
-@needs_torchao
 @pytest.mark.slow
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU of compute capability 8.9 or more")
 def test_on_an_fp8_gpu_zero1_and_zero3_train_within_a_percent_of_bf16():
