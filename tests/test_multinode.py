@@ -297,13 +297,18 @@ STOPPED_GROUP = pytest.mark.xdist_group("two_nodes_stopped")
 ALONE_GROUP = pytest.mark.xdist_group("node_never_joins")
 
 
+def run_args(run_dir: Path, *extra: str, sets: tuple[str, ...] = ()) -> list[str]:
+    """The arguments of `dstrain run` for the tiny stage2 job: STEPS, then `sets`."""
+    args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--run-dir", str(run_dir), *extra]
+    for item in (*TINY, *STEPS, *sets):
+        args += ["--set", item]
+    return args
+
+
 def dstrain_run(run_dir: Path, *extra: str, sets: tuple[str, ...] = (), log: Path | None = None) -> subprocess.Popen:
     """`dstrain run` of the tiny stage2 job (STEPS, then `sets`); its output to `log` when given (a run
     that goes on until stopped must not fill a pipe nobody reads)."""
-    args = [sys.executable, "-m", "dstrain.cli", "run", "--preset", "stage2", "--accelerator", "cpu",
-            "--run-dir", str(run_dir), *extra]
-    for item in (*TINY, *STEPS, *sets):
-        args += ["--set", item]
+    args = [sys.executable, "-m", "dstrain.cli", *run_args(run_dir, *extra, sets=sets)]
     output = open(log, "w") if log else subprocess.PIPE
     return subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "COLUMNS": "250"})
@@ -312,10 +317,7 @@ def dstrain_run(run_dir: Path, *extra: str, sets: tuple[str, ...] = (), log: Pat
 def run_here(run_dir: Path, *extra: str, sets: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """The same `dstrain run` as dstrain_run, to its end in this process (launcher.dstrain: no fresh interpreter
     importing torch and DeepSpeed), for the one-node runs nothing interrupts; stderr after stdout, as one stream."""
-    args = ["run", "--preset", "stage2", "--accelerator", "cpu", "--run-dir", str(run_dir), *extra]
-    for item in (*TINY, *STEPS, *sets):
-        args += ["--set", item]
-    done = dstrain(*args, timeout=600, env={"COLUMNS": "250"})
+    done = dstrain(*run_args(run_dir, *extra, sets=sets), timeout=600, env={"COLUMNS": "250"})
     return subprocess.CompletedProcess(done.args, done.returncode, done.stdout + done.stderr, "")
 
 
