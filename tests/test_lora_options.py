@@ -69,11 +69,23 @@ def test_every_option_reaches_peft_under_its_own_name(llama_dir):
 def test_dry_run_names_unknown_targets_beside_valid_ones_and_lists_the_linear_layers(llama_dir, tmp_path, monkeypatch):
     code, output = dry_run(tmp_path, monkeypatch, f"model.name=hf:{llama_dir}",
                            "model.lora={r: 4, target_modules: [q_proj, qproj, v_proj, attn_out]}",
-                           "model.lora.modules_to_save=[lm_haed]")
+                           "model.lora.modules_to_save=[lm_haed]", "model.lora.target_parameters=[experts.down_proj]")
     assert code == 2
     assert "model.lora.target_modules: qproj, attn_out: no module of the model has this name" in output
     assert "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in output
     assert "model.lora.modules_to_save: lm_haed" in output
+    # a dense model has no fused experts to put adapters on
+    assert "model.lora.target_parameters: experts.down_proj: no parameter of the model has this name" in output
+    assert "this model has no fused expert weights: use target_modules" in output
+
+
+@pytest.mark.parametrize("option", ["dropout=0.1", "use_dora=true"])
+def test_parameter_adapters_with_dropout_or_dora_are_refused_naming_the_option(llama_dir, tmp_path, monkeypatch, option):
+    """peft adds a parameter's adapter to the weight itself: an input dropout or DoRA cannot apply there."""
+    code, output = dry_run(tmp_path, monkeypatch, f"model.name=hf:{llama_dir}",
+                           f"model.lora={{target_parameters: [mlp.experts.down_proj], {option.replace('=', ': ')}}}")
+    assert code == 2 and "Traceback" not in output
+    assert f"model.lora.{option.split('=')[0]} does not work with model.lora.target_parameters" in " ".join(output.split())
 
 
 def test_dry_run_plan_shows_trainable_and_total_parameters(llama_dir, tmp_path, monkeypatch):

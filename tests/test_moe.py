@@ -35,11 +35,24 @@ def test_families_as_published_load_train_and_export_as_published_at_zero3(tmp_p
     layer), and dense Qwen2 (biases), Gemma (tied head), GPT-NeoX (its head saved as embed_out): one ZeRO-3 step
     on two ranks (gloo) with different tokens each, so they route to different experts (and do not hang), the
     checkpoint exported as convert-checkpoint does. The router's balancing loss is on (model.kwargs
-    output_router_logits): each rank's loss is transformers' own on its batch, with it."""
+    output_router_logits): each rank's loss is transformers' own on its batch, with it.
+    Then Qwen3-MoE again with LoRA on its attention and, through peft's target_parameters, on its fused
+    experts (every expert's weights partitioned over the ranks): the adapters start at zero, so the first
+    loss is still transformers' own; only adapters train; the merged export is the trained model in the
+    published per-expert layout, and the peft export loaded by peft on the source model gives its logits."""
     families = [*FAMILIES, *DENSE_FAMILIES]
-    ranks = run_script("hf_stage3_step", {"families": families, "root": str(tmp_path),
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj"],
+            "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    ranks = run_script("hf_stage3_step", {"families": families, "root": str(tmp_path), "lora": lora,
+                                          "lora_families": ["qwen3_moe"],
                                           "model_kwargs": {"output_router_logits": True}}, ranks=2)
-    assert [row["family"] for row in ranks[0]] == families
+    assert [(row["family"], row["lora"]) for row in ranks[0]] == [(f, False) for f in families] + [("qwen3_moe", True)]
+    for row in [rows[-1] for rows in ranks]:  # LoRA: adapters on the experts, and only adapters train
+        assert row["on_experts"] == ["experts.base_layer.lora_A.default.weight",
+                                     "experts.base_layer.lora_B.default.weight",
+                                     "experts.lora_A.default.weight", "experts.lora_B.default.weight"], row
+        assert row["trainable_outside"] == [] and row["experts_b_moved"] > 1e-3, row
+        assert row["peft_vs_trained"] < 1e-5, row
     assert ranks[0][0]["loss"] != ranks[1][0]["loss"]  # different data
     for row in [row for rows in ranks for row in rows]:
         assert (row["per_expert_keys"] > 0) is (row["family"] in FAMILIES), row  # the published layout
@@ -59,7 +72,7 @@ def test_families_as_published_load_train_and_export_as_published_at_zero3(tmp_p
         else:  # logged apart: the LM loss and the balancing loss make the loss
             assert router["aux_loss"] > 0, row
             # over both ranks: the mean of their losses
-            mean = sum(r["loss"] for rows in ranks for r in rows if r["family"] == row["family"]) / 2
+            mean = sum(r["loss"] for rows in ranks for r in rows if (r["family"], r["lora"]) == (row["family"], row["lora"])) / 2
             assert router["lm_loss"] + row["coef"] * router["aux_loss"] == pytest.approx(mean, abs=1e-5), row
 
 
@@ -244,20 +257,23 @@ def test_estimate_of_an_hf_moe_folder_counts_the_experts_a_token_runs_through(tm
 
 
 @pytest.mark.slow
-def test_lora_on_a_moe_models_attention_trains_packed_rows_and_merges_into_the_published_layout(tmp_path):
-    """Adapters on q_proj/v_proj of Qwen3-MoE (the experts frozen), a packed dict batch (two examples told
-    apart by their position ids) with the balancing loss on, and the export: the merged weights in the
-    source's per-expert layout, the logits of peft's own merge."""
+def test_lora_on_a_moe_models_attention_and_experts_trains_packed_rows_and_merges_into_the_published_layout(tmp_path):
+    """Adapters on q_proj/v_proj of Qwen3-MoE and on its fused experts (peft's target_parameters: a rank-4
+    adapter per expert; the base weights frozen), a packed dict batch (two examples told apart by their
+    position ids) with the balancing loss on, and the export: the merged weights in the source's per-expert
+    layout, the logits of peft's own merge."""
     from safetensors.torch import save_file as save
 
     from dstrain.rundir import HF_LORA
     folder = save_family("qwen3_moe", tmp_path / "moe")
     config = RunConfig.model_validate({"model": {"name": f"hf:{folder}", "kwargs": {"output_router_logits": True},
-                                                 "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}})
+                                                 "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                                                          "target_parameters": ["gate_up_proj", "down_proj"]}}})
     model = hf.build_pretrained(config, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}},
                                 torch.device("cpu")).train()
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {
         n for n in dict(model.named_parameters()) if ".lora_" in n}
+    assert sum(".mlp.experts." in n and "lora_A" in n for n, _ in model.named_parameters()) == 2 * 2  # 2 layers
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:

@@ -54,6 +54,11 @@ class LoraConfig(Section):
     (every linear layer but the output head); unset: peft's default for the architecture (q_proj and
     v_proj for Llama, c_attn for GPT-2). A name that matches no module is an error listing the model's
     linear layers."""
+    target_parameters: list[str] = []
+    """Names (or name suffixes) of parameters that get adapters themselves, for weights that are no linear
+    layer: a mixture-of-experts layer's fused experts, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]
+    (peft's target_parameters: a rank-r adapter for each expert). With or without target_modules; not with
+    dropout or DoRA (peft cannot factor them out of a parameter's adapter); ZeRO stages 0-2."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter's input."""
     modules_to_save: list[str] = []
@@ -71,10 +76,22 @@ class LoraConfig(Section):
     the "peft" format (a merged "hf" export of a 4-bit base is refused). Unset: the base is loaded in
     model.kwargs.dtype."""
 
+    @model_validator(mode="after")
+    def _parameter_adapters_take_no_dropout_or_dora(self) -> "LoraConfig":
+        # peft's parameter adapter adds its update to the weight itself, where the input's dropout and DoRA's
+        # per-row norm cannot be factored in; say so here rather than in every rank.
+        if self.target_parameters and (self.dropout or self.use_dora):
+            option = "model.lora.dropout" if self.dropout else "model.lora.use_dora"
+            raise ValueError(f"{option} does not work with model.lora.target_parameters (peft adds a parameter's "
+                             f"adapter to the weight itself): unset {option} or adapt linear layers only "
+                             "(target_modules)")
+        return self
+
 
 # LoraConfig field -> the peft.LoraConfig argument it is passed to (quantize is dstrain's own: it picks
 # how the base model is loaded, not an adapter option).
-PEFT_ARGUMENTS = {"r": "r", "alpha": "lora_alpha", "target_modules": "target_modules", "dropout": "lora_dropout",
+PEFT_ARGUMENTS = {"r": "r", "alpha": "lora_alpha", "target_modules": "target_modules",
+                  "target_parameters": "target_parameters", "dropout": "lora_dropout",
                   "modules_to_save": "modules_to_save", "use_dora": "use_dora", "use_rslora": "use_rslora"}
 
 

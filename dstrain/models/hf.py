@@ -648,6 +648,7 @@ def peft_config(lora: LoraConfig, reward: bool = False):
     peft = require("peft", "model.lora")
     options = {PEFT_ARGUMENTS[key]: getattr(lora, key) for key in PEFT_ARGUMENTS}
     options["modules_to_save"] = options["modules_to_save"] or None
+    options["target_parameters"] = options["target_parameters"] or None
     return peft.LoraConfig(task_type="SEQ_CLS" if reward else "CAUSAL_LM", **options)
 
 
@@ -675,6 +676,14 @@ def _check_module_names(model: nn.Module, lora: LoraConfig) -> None:
             problems.append(Problem(f"{', '.join(unknown)}: no module of the model has this name",
                                     "model.lora.target_modules",
                                     f"name the model's linear layers ({linear}) or write all-linear"))
+    params = [name for name, _ in model.named_parameters()]
+    unknown = [t for t in lora.target_parameters if not any(n == t or n.endswith("." + t) for n in params)]
+    if unknown:
+        stacked = sorted({".".join(n.split(".")[-3:]) for n, p in model.named_parameters() if p.dim() == 3})
+        problems.append(Problem(f"{', '.join(unknown)}: no parameter of the model has this name",
+                                "model.lora.target_parameters",
+                                f"name parameters the model has, e.g. its fused experts ({', '.join(stacked)})"
+                                if stacked else "this model has no fused expert weights: use target_modules"))
     unknown = [t for t in lora.modules_to_save if not matches(t)]
     if unknown:
         leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and not list(m.children())})
@@ -701,12 +710,16 @@ def apply_lora(model: nn.Module, lora: LoraConfig | None, reward: bool = False) 
 
 def lora_layers(model: nn.Module) -> dict[str, dict[str, Any]]:
     """For every LoRA layer: its name inside the Hugging Face model, scaling and weight layout, which
-    merging on export needs (written to the run directory by rank 0)."""
+    merging on export needs (written to the run directory by rank 0); for an adapter on a parameter
+    (target_parameters), also the parameter's name, its experts and whether it is stored (experts, out, in)."""
     layers = {}
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and hasattr(module, "scaling") and "default" in module.scaling:
             layers[own_name(name)] = {"scaling": float(module.scaling["default"]),
                                       "fan_in_fan_out": bool(getattr(module, "fan_in_fan_out", False))}
+            if hasattr(module, "parameter_name"):  # peft's ParamWrapper (target_parameters): one per parameter
+                layers[own_name(name)].update(parameter=module.parameter_name, experts=int(module.num_experts),
+                                              out_in=bool(module._did_swap_in_out_features))
     return layers
 
 

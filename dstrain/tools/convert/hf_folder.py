@@ -20,6 +20,7 @@ failure leaves nothing half-written.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import shutil
 from contextlib import ExitStack, contextmanager
@@ -149,11 +150,11 @@ def write_folder(weights: Path, source_dir: Path, folder: Path, dtype: str,
     """Fill FOLDER from the consolidated WEIGHTS and SOURCE_DIR's config, tokenizer and LoRA layers."""
     limit = parse_size(max_shard_size or DEFAULT_SHARD_SIZE)
     lora = json.loads((source_dir / HF_LORA).read_text()) if (source_dir / HF_LORA).is_file() else {}
-    outs, notes = _plan(weights, lora, DTYPES[dtype], source_dir)
+    outs, merged, notes = _plan(weights, lora, DTYPES[dtype], source_dir)
     files = _write_shards(weights, outs, split_into_shards([o.tensor for o in outs], limit), folder)
     _copy_model_files(source_dir, folder, dtype)
     auto = auto_class_name(json.loads((source_dir / "config.json").read_text()))
-    return HfExport(folder, files, len(outs), sum(1 for o in outs if o.lora), dtype, weights.name, notes, auto)
+    return HfExport(folder, files, len(outs), merged, dtype, weights.name, notes, auto)
 
 
 def own_key(key: str) -> str:
@@ -162,8 +163,10 @@ def own_key(key: str) -> str:
     return key
 
 
-def _plan(consolidated: Path, lora: dict[str, dict], dtype: torch.dtype, source_dir: Path) -> tuple[list[_Out], list[str]]:
-    """The output tensors: model names, LoRA merged, tied copies dropped; checked against config.json's model."""
+def _plan(consolidated: Path, lora: dict[str, dict], dtype: torch.dtype,
+          source_dir: Path) -> tuple[list[_Out], int, list[str]]:
+    """The output tensors: model names, LoRA merged, tied copies dropped; checked against config.json's model.
+    With them, how many base weights get an adapter merged (counted before fused experts are split)."""
     from safetensors import safe_open
 
     stored_dtypes = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
@@ -177,6 +180,10 @@ def _plan(consolidated: Path, lora: dict[str, dict], dtype: torch.dtype, source_
                                "merging adapters into them would not give the trained model's weights",
                                "--format hf", "export the adapters alone with --format peft (train.export_final: "
                                "peft) and load them on the base model with peft")
+    # adapters on parameters (target_parameters): peft nests one wrapper per parameter of a module, each one
+    # base_layer deeper, so they are found by the module's plain name and the parameter's
+    on_parameters = {(_unwrapped(module), layer["parameter"]): module
+                     for module, layer in lora.items() if "parameter" in layer}
     outs = []
     for name, key in by_name.items():
         if ".lora_" in name or ".original_module." in name:
@@ -184,17 +191,30 @@ def _plan(consolidated: Path, lora: dict[str, dict], dtype: torch.dtype, source_
         entry = None
         name = name.replace(".modules_to_save.default.", ".")  # modules_to_save: the trained copy is the weight
         module, _, leaf = name.rpartition(".base_layer.")
-        if module and module in lora:
+        if module and module in lora and "parameter" not in lora[module]:
             if leaf == "weight":
                 entry = {"a": by_name[f"{module}.lora_A.default.weight"], "b": by_name[f"{module}.lora_B.default.weight"],
                          "magnitude": by_name.get(f"{module}.lora_magnitude_vector.default.weight"), **lora[module]}
             name = f"{module}.{leaf}"
+        elif module and on_parameters:
+            name = _unwrapped(name)
+            owner, _, parameter = name.rpartition(".")
+            wrapper = on_parameters.get((owner, parameter))
+            if wrapper is not None:
+                entry = {"a": by_name[f"{wrapper}.lora_A.default.weight"],
+                         "b": by_name[f"{wrapper}.lora_B.default.weight"], **lora[wrapper]}
         out_dtype = dtype if stored[key].is_floating_point else stored[key]  # integer buffers keep theirs
         outs.append(_Out(Tensor(name, name, shapes[key], out_dtype, True), key, entry))
+    merged = sum(1 for o in outs if o.lora)
     notes, model = _match_model(outs, source_dir)
     if model is not None:
         outs = _source_layout(outs, model, source_dir)
-    return outs, notes
+    return outs, merged, notes
+
+
+def _unwrapped(name: str) -> str:
+    """A name inside a peft model without its wrappers' base_layer levels."""
+    return re.sub(r"(\.base_layer)+(?=\.|$)", "", name)
 
 
 def _match_model(outs: list[_Out], source_dir: Path) -> list[str]:
@@ -285,12 +305,24 @@ def merged_weight(handle, base_key: str, lora: dict) -> torch.Tensor:
     output row of that sum is rescaled to m's length: m * (W + s B A) / ||W + s B A||, rows in (out, in)
     layout (transposed for fan_in_fan_out layers such as GPT-2's Conv1D)."""
     base = handle.get_tensor(base_key)
+    if lora.get("experts", 1) > 1:
+        return base + lora["scaling"] * expert_delta(handle.get_tensor(lora["a"]), handle.get_tensor(lora["b"]), lora)
     weight = base.T if lora["fan_in_fan_out"] else base
     weight = weight + lora["scaling"] * (handle.get_tensor(lora["b"]) @ handle.get_tensor(lora["a"]))
     if lora.get("magnitude"):
         norm = torch.linalg.norm(weight, dim=1)
         weight = (handle.get_tensor(lora["magnitude"]) / norm).unsqueeze(1) * weight
     return weight.T if lora["fan_in_fan_out"] else weight
+
+
+def expert_delta(a: torch.Tensor, b: torch.Tensor, lora: dict) -> torch.Tensor:
+    """The update of peft's adapter on E stacked experts (target_parameters): A [E * r, in] holds each expert's
+    r rows in turn, B [out, r * E] its columns interleaved (rank-major); expert e's update is B_e @ A_e, laid
+    out as the parameter is, (E, out, in) or (E, in, out)."""
+    experts = lora["experts"]
+    a = a.reshape(experts, -1, a.shape[-1])  # e r i
+    b = b.reshape(b.shape[0], -1, experts)  # o r e
+    return torch.einsum("ore,eri->eoi" if lora["out_in"] else "ore,eri->eio", b, a)
 
 
 def _write_shards(consolidated: Path, outs: list[_Out], shards: list[list[Tensor]], folder: Path) -> list[str]:

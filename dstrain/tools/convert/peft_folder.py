@@ -100,8 +100,9 @@ def adapter_config(source_dir: Path) -> dict:
     if layers_file.is_file():
         layers = json.loads(layers_file.read_text())
         if layers:
-            if not isinstance(config.get("target_modules"), list):
-                config["target_modules"] = sorted({name.rsplit(".", 1)[-1] for name in layers})
+            linear = {name.rsplit(".", 1)[-1] for name, layer in layers.items() if "parameter" not in layer}
+            if not isinstance(config.get("target_modules"), list) and linear:
+                config["target_modules"] = sorted(linear)
             config["fan_in_fan_out"] = any(layer["fan_in_fan_out"] for layer in layers.values())
     config["inference_mode"] = True
     return config
