@@ -23,6 +23,8 @@ layer compiled: on for both; at ZeRO-3 on several GPUs past 3B auto leaves both 
   bf16              train.precision bf16
   fp8-tensorwise    train.precision fp8, train.fp8_recipe tensorwise
   fp8-rowwise       train.precision fp8, train.fp8_recipe rowwise
+  fp8-tensorwise-exact  as fp8-tensorwise, train.fp8_fast_accum false (the forward matmul accumulates in full
+                    precision)
 fp8 converts the linear layers of decoder layers 2 .. N-1 (the first and last layer and the LM head stay bf16):
 with 12 layers 10/12 of the layers' matmuls, about 78% of the step's matmul FLOPs (the head's 4096 x 32,000
 included). MFU is against the GPU's dense bf16 peak (as torchtitan reports its float8 rows), from dstrain's FLOPs
@@ -56,7 +58,8 @@ LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, 
                   vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
 ROWS = (("bf16", ["train.precision=bf16"]),
         ("fp8-tensorwise", ["train.precision=fp8", "train.fp8_recipe=tensorwise"]),
-        ("fp8-rowwise", ["train.precision=fp8", "train.fp8_recipe=rowwise"]))
+        ("fp8-rowwise", ["train.precision=fp8", "train.fp8_recipe=rowwise"]),
+        ("fp8-tensorwise-exact", ["train.precision=fp8", "train.fp8_recipe=tensorwise", "train.fp8_fast_accum=false"]))
 
 
 def dstrain_row(name: str, sets: list[str], ctx: dict, args) -> dict:

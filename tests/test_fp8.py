@@ -136,6 +136,20 @@ def test_conversion_keeps_the_state_dict_so_checkpoints_load_in_bf16():
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), state.values()))
 
 
+def test_full_precision_accumulation_reaches_every_converted_layers_forward_matmul():
+    """train.fp8_fast_accum false: the forward matmul (torchao's recipes: fast accumulation) accumulates in
+    full precision; the backward matmuls never use fast accumulation."""
+    from torchao.float8.float8_linear import Float8Linear
+    assert resolve(sets=["train.precision=fp8"], accelerator="cuda", env={}).config.train.fp8_fast_accum is True
+    for fast in (True, False):
+        model = _gpt().to(torch.bfloat16)
+        line = fp8.convert_to_fp8(model, "tensorwise", emulate=True, fast_accum=fast)
+        converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        assert converted and {m.config.gemm_config_output.use_fast_accum for m in converted} == {fast}
+        assert {m.config.gemm_config_grad_weight.use_fast_accum for m in converted} == {False}
+        assert ("full-precision accumulation" in line) is not fast, line
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_the_converted_model_trains_close_to_bf16(recipe):
     torch.manual_seed(0)

@@ -246,6 +246,10 @@ class TrainConfig(Section):
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """torchao's float8 recipe for train.precision=fp8: "tensorwise" (one scale per tensor; the faster) or
     "rowwise" (one scale per row; more accurate, slower). Ignored for other precisions."""
+    fp8_fast_accum: bool = True
+    """The forward matmul of train.precision=fp8 accumulates in the FP8 tensor cores' fast, lower-precision
+    mode (torchao's default for both recipes; the backward matmuls never do); false accumulates in full
+    precision. Ignored for other precisions. See docs/fp8.md."""
     mixed_precision: Literal["deepspeed", "autocast"] = "deepspeed"
     """How bf16/fp16 training runs: "deepspeed" (DeepSpeed's bf16/fp16 optimizer: low-precision weights,
     an fp32 master copy inside the optimizer) or "autocast" (fp32 weights, torch.autocast compute:

@@ -65,15 +65,19 @@ def fp8_layers(model: nn.Module) -> tuple[set[str], dict[str, str]]:
     return chosen, kept
 
 
-def float8_config(recipe: str, emulate: bool = False):
+def float8_config(recipe: str, emulate: bool = False, fast_accum: bool = True):
     """torchao's Float8LinearConfig for a recipe name; `emulate` multiplies in bf16 from FP8-rounded values
-    (torchao's testing mode, which runs on CPU), for tests of everything around the matmul."""
+    (torchao's testing mode, which runs on CPU), for tests of everything around the matmul; `fast_accum`
+    False turns the forward matmul's fast accumulation off (torchao's recipes turn it on there)."""
     from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import Float8GemmConfig
     config = Float8LinearConfig.from_recipe_name(recipe)
+    if not fast_accum:
+        config = dataclasses.replace(config, gemm_config_output=Float8GemmConfig(use_fast_accum=False))
     return dataclasses.replace(config, emulate=True) if emulate else config
 
 
-def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool = False) -> str:
+def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool = False, fast_accum: bool = True) -> str:
     """Swap the chosen linear layers (fp8_layers) for torchao's Float8Linear, in place; a line for rank 0."""
     check_device(emulate)
     from torchao.float8 import convert_to_float8_training
@@ -82,9 +86,10 @@ def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool = False) -> str:
         raise RuntimeError("train.precision=fp8: no linear layer to convert (a model of two decoder layers or fewer "
                            "keeps them all in bf16); set train.precision=bf16")
     convert_to_float8_training(model, module_filter_fn=lambda _module, name: name in chosen,
-                               config=float8_config(recipe, emulate))
+                               config=float8_config(recipe, emulate, fast_accum))
     reasons = sorted(set(kept.values()))
-    return (f"fp8: {len(chosen)} of {len(chosen) + len(kept)} linear layers multiply in FP8 (torchao {recipe}); "
+    accumulation = "" if fast_accum else ", full-precision accumulation"
+    return (f"fp8: {len(chosen)} of {len(chosen) + len(kept)} linear layers multiply in FP8 (torchao {recipe}{accumulation}); "
             f"kept in bf16: " + "; ".join(f"{sum(r == v for v in kept.values())} {r}" for r in reasons))
 
 

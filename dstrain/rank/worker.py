@@ -242,7 +242,7 @@ def _build_engine(config, ds_config: dict, device, rank: int):
     model = build_model(config, ds_config, device)
     if config.train.precision == "fp8":  # before DeepSpeed hooks the modules and before compiling
         from dstrain.models.fp8 import convert_to_fp8
-        converted = convert_to_fp8(model, config.train.fp8_recipe)
+        converted = convert_to_fp8(model, config.train.fp8_recipe, fast_accum=config.train.fp8_fast_accum)
         if rank == 0:
             print(converted, flush=True)
     tiled = apply_tiled_mlp(model, config)
