@@ -192,10 +192,12 @@ def rate(steps: list[dict], key: str = "tokens_per_s") -> float:
 
 
 def pick(rows: list[dict], wanted: str | None) -> list[dict]:
-    """The rows whose names match --rows: comma-separated names or globs (a bare word matches inside names)."""
+    """The rows whose names match --rows: comma-separated names or globs (a row's whole name matches that row
+    alone; another bare word matches inside names)."""
     if not wanted:
         return rows
-    patterns = [p if any(c in p for c in "*?[") else f"*{p}*" for p in wanted.split(",")]
+    names = {r["name"] for r in rows}
+    patterns = [p if p in names or any(c in p for c in "*?[") else f"*{p}*" for p in wanted.split(",")]
     return [r for r in rows if any(fnmatch.fnmatch(r["name"], p) for p in patterns)]
 
 

@@ -142,3 +142,15 @@ def test_large_vocab_compares_the_whole_and_the_chunked_loss(tmp_path):
     whole, chunked = doc["rows"]
     assert (whole["variant"], chunked["variant"]) == ("whole", "chunked")
     assert chunked["loss_rel_diff"] < 1e-3 and chunked["tokens_per_s"] > 0 and chunked["host_rss_gib"] > 0
+
+
+def test_rows_picks_a_whole_name_alone_and_a_bare_word_inside_names():
+    """--rows of sft.py, preference.py and fp8.py: `fp8-tensorwise` is that row, not also fp8-tensorwise-exact
+    (2026-11-29's loss check ran a row it was not asked for); a word or a glob picks every row it matches."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from run_record import pick
+    rows = [{"name": name} for name in ("bf16", "fp8-tensorwise", "fp8-rowwise", "fp8-tensorwise-exact")]
+    assert [r["name"] for r in pick(rows, "bf16,fp8-tensorwise")] == ["bf16", "fp8-tensorwise"]
+    assert [r["name"] for r in pick(rows, "tensorwise")] == ["fp8-tensorwise", "fp8-tensorwise-exact"]
+    assert [r["name"] for r in pick(rows, "fp8-*")] == ["fp8-tensorwise", "fp8-rowwise", "fp8-tensorwise-exact"]
+    assert pick(rows, None) == rows
