@@ -170,6 +170,29 @@ def test_packing_auto_pads_with_a_note_and_true_refuses_a_model_that_cannot(tmp_
     assert packing(text) == (False, None)  # token streams are windows already
 
 
+def test_packed_rows_on_gpus_get_flex_attention_where_the_architecture_has_it_and_the_user_chose_none(tmp_path):
+    """hf.auto_attention, as each rank asks it when it builds the model: FlexAttention's block mask skips the
+    blocks across a packed row's examples (1.52-1.56x sdpa's masked attention on one H200). Not on CPU ranks
+    (no FlexAttention backward there), not for padded rows, not over the user's choice, not for an
+    architecture without it (GPT-2 in transformers 5)."""
+    from hf_models import save_tiny_gpt2, save_tiny_llama
+
+    from dstrain.models import hf
+    llama, gpt2 = save_tiny_llama(tmp_path / "llama"), save_tiny_gpt2(tmp_path / "gpt2")
+
+    def chosen(folder, device, packed=True, **kwargs):
+        config = RunConfig.model_validate({"model": {"name": f"hf:{folder}", "kwargs": kwargs},
+                                           "data": {"source": "jsonl", "format": "prompt_response", "packing": packed}})
+        return hf.auto_attention(config, hf.load_config(config), device)
+
+    assert chosen(llama, "cuda") == "flex_attention"
+    assert chosen(llama, torch.device("cuda", 1)) == "flex_attention"
+    assert chosen(llama, "cpu") is None
+    assert chosen(llama, "cuda", packed=False) is None
+    assert chosen(llama, "cuda", attn_implementation="sdpa") is None
+    assert chosen(gpt2, "cuda") is None
+
+
 # ---------------------------------------------------------------------------------------
 # Through the real launcher
 

@@ -240,6 +240,10 @@ def _build_engine(config, ds_config: dict, device, rank: int):
 
     policy_rng = rng_state()  # a preference reference copy starts from the same random state
     model = build_model(config, ds_config, device)
+    attention = getattr(getattr(getattr(model, "model", None), "config", None), "_attn_implementation", None)
+    if attention == "flex_attention" and "attn_implementation" not in config.model.kwargs and rank == 0:
+        print("attention: flex_attention for packed rows (auto: its block mask skips the blocks across examples; "
+              "model.kwargs.attn_implementation=sdpa to keep sdpa)", flush=True)
     if config.train.precision == "fp8":  # before DeepSpeed hooks the modules and before compiling
         from dstrain.models.fp8 import convert_to_fp8
         converted = convert_to_fp8(model, config.train.fp8_recipe, fast_accum=config.train.fp8_fast_accum)
