@@ -67,8 +67,7 @@ def dstrain_row(name: str, sets: list[str], ctx: dict, args) -> dict:
     all_sets = [f"model.name=hf:{ctx['model']}", "data.source=text", f"data.paths=[{ctx['model'] / 'corpus.txt'}]",
                 f"data.seq_len={args.seq_len}", f"data.cache_dir={args.work / 'dstrain-cache'}",
                 f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}",
-                f"train.warmup_steps={min(20, args.steps // 5)}", "train.lr=3e-4", f"train.seed={args.seed}", *sets,
-                *args.dstrain_set]
+                f"train.warmup_steps={min(20, args.steps // 5)}", "train.lr=3e-4", f"train.seed={args.seed}", *sets]
     started = time.time()
     result, steps = run_dstrain(name, f"stage{args.stage}", all_sets, args)
     row.update(result)
@@ -157,8 +156,6 @@ def main() -> None:
     parser = bench_parser(__doc__, DEFAULTS)
     parser.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (preset stage2/stage3)")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs of each row's `dstrain run` (ZeRO over them)")
-    parser.add_argument("--dstrain-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting for every row, e.g. train.activation_checkpointing=true (repeatable)")
     args = bench_args(parser, DEFAULTS, "fp8")
     tiny = args.tiny
     device = device_name(not tiny)

@@ -174,7 +174,7 @@ def dstrain_row(spec: dict, ctx: dict, args) -> dict:
         sets += [f"model.lora.r={LORA_R}", f"model.lora.alpha={LORA_ALPHA}",
                  f"model.lora.target_modules=[{','.join(LORA_TARGETS)}]"]
     launched = time.time()
-    result, steps = run_dstrain(name, f"stage{spec['stage']}", sets + (args.dstrain_set or []), args)
+    result, steps = run_dstrain(name, f"stage{spec['stage']}", sets, args)
     row.update(result, micro_batch=micro, grad_accum=accum, reference=reference,
                activation_checkpointing=bool(spec.get("ac")))
     if "error" in row:
@@ -385,7 +385,6 @@ DEFAULTS = {"steps": (24, 3), "warmup": (4, 1), "seq_len": (2048, 256), "global_
 def main() -> None:
     parser = bench_parser(__doc__, DEFAULTS)
     parser.add_argument("--trl-tiny", action="store_true", help="with --tiny: the TRL rows too")
-    parser.add_argument("--dstrain-set", action="append", help="extra --set for the dstrain rows")
     args = bench_args(parser, DEFAULTS, "pref")
     if args.command == "trl-child":
         trl_child(args.spec)

@@ -96,6 +96,9 @@ def bench_parser(doc: str, defaults: dict[str, tuple]) -> argparse.ArgumentParse
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny Llama, short rows, few steps")
     parser.add_argument("--accelerator", choices=("cuda", "cpu"), default=None, help="default cuda; --tiny cpu")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--dstrain-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for every dstrain row, after the row's own, e.g. "
+                             "model.kwargs.attn_implementation=flex_attention (repeatable)")
     for key, (full, tiny) in defaults.items():
         parser.add_argument("--" + key.replace("_", "-"), type=type(full), default=None,
                             help=f"default {full}; --tiny {tiny}")
@@ -173,11 +176,12 @@ ROW_SETS = ["train.log_every=1", "train.save_checkpoints=false", "train.eval_eve
 
 def run_dstrain(name: str, preset: str, sets: list[str], args) -> tuple[dict, list[dict]]:
     """One row's `dstrain run` on args.gpus GPUs (one where args has no gpus; run directory WORK/runs/NAME, its
-    output OUT/logs/NAME.log), within args.row_limit seconds: the row's wall time and command (and its error when
-    it trained no step), and the run's per-step records."""
+    output OUT/logs/NAME.log), with the row's `sets` and then every --dstrain-set, within args.row_limit seconds:
+    the row's wall time and command (and its error when it trained no step), and the run's per-step records."""
     run_dir = args.work / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = dstrain_command(preset, getattr(args, "gpus", 1), args.accelerator, run_dir, ROW_SETS + sets)
+    command = dstrain_command(preset, getattr(args, "gpus", 1), args.accelerator, run_dir,
+                              ROW_SETS + sets + args.dstrain_set)
     code, wall, tail = run_logged(command, args.out / "logs" / f"{name}.log", args.row_limit)
     row = {"wall_s": round(wall, 1), "command": " ".join(command)}
     steps = [r for r in metrics(run_dir) if "loss" in r and "step_time_ms" in r]
