@@ -193,6 +193,34 @@ def test_packed_rows_on_gpus_get_flex_attention_where_the_architecture_has_it_an
     assert chosen(gpt2, "cuda") is None
 
 
+def test_flex_attention_asked_for_on_cpu_ranks_is_refused_before_they_start_where_torch_cannot_train_it(
+        tmp_path, monkeypatch):
+    """The installed torch is asked (a 16-token call): torch 2.13's FlexAttention has no backward on CPU, and
+    the ranks would otherwise fail after their start-up. Where a torch can, the dry run passes."""
+    from typer.testing import CliRunner
+
+    from dstrain.cli import app
+    from dstrain.launcher.preflight import _flex_attention_backward_on_cpu
+    from hf_models import save_tiny_llama
+    llama = save_tiny_llama(tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    args = ["run", "--preset", "stage2", "--dry-run", "--accelerator", "cpu", "--gpus", "2"]
+    for item in (f"model.name=hf:{llama}", "model.kwargs={attn_implementation: flex_attention}", "data.seq_len=16",
+                 "train.micro_batch_size=2", "data.tokenizer=byte"):
+        args += ["--set", item]
+    result = CliRunner().invoke(app, args)
+    output = " ".join(result.output.split())
+    assert "Traceback" not in output
+    why = _flex_attention_backward_on_cpu()
+    if why is None:
+        assert result.exit_code == 0, output
+        return
+    assert result.exit_code == 2, output
+    assert f'model.kwargs.attn_implementation (from --set): flex_attention cannot train on CPU ranks: torch says "{why}"' in output
+    assert "use sdpa (or eager) on CPU ranks" in output
+
+
 # ---------------------------------------------------------------------------------------
 # Through the real launcher
 

@@ -65,6 +65,12 @@ def check_runnable(resolved: ResolvedConfig) -> None:
                                     _named(resolved, *(f"deepspeed.zero_optimization.{key}" for key in quantized)),
                                     "remove " + ", ".join(quantized) + " (or set false) for CPU ranks, "
                                     "or run on GPUs (--accelerator cuda)"))
+        if resolved.config.model.kwargs.get("attn_implementation") == "flex_attention":
+            why = _flex_attention_backward_on_cpu()
+            if why:
+                problems.append(Problem(f"flex_attention cannot train on CPU ranks: torch says \"{why}\"",
+                                        _named(resolved, "model.kwargs.attn_implementation"),
+                                        "use sdpa (or eager) on CPU ranks, or run on GPUs (--accelerator cuda)"))
     if resolved.precision == "fp8" and resolved.accelerator == "cuda":  # CPU ranks: refused in resolution
         from dstrain.models.fp8 import runtime_problems
         problems += runtime_problems(_named(resolved, "train.precision"))
@@ -75,6 +81,19 @@ def check_runnable(resolved: ResolvedConfig) -> None:
         problems += check_quantize(resolved.config, ds, resolved.accelerator)
     if problems:
         raise UserError(problems)
+
+
+def _flex_attention_backward_on_cpu() -> str | None:
+    """Why the installed torch's FlexAttention cannot run a backward on CPU (its first line), or None where it
+    can: asked of torch with a 16-token call, which it refuses before computing anything."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+    query = torch.zeros(1, 1, 16, 16, requires_grad=True)
+    try:
+        flex_attention(query, query, query).sum().backward()
+    except NotImplementedError as err:
+        return str(err).split(". ")[0]
+    return None
 
 
 def _checkpoint_offload_problems(resolved: ResolvedConfig) -> list:
