@@ -58,7 +58,7 @@ class LoraConfig(Section):
     """Names (or name suffixes) of parameters that get adapters themselves, for weights that are no linear
     layer: a mixture-of-experts layer's fused experts, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]
     (peft's target_parameters: a rank-r adapter for each expert). With or without target_modules; not with
-    dropout or DoRA (peft cannot factor them out of a parameter's adapter); ZeRO stages 0-2."""
+    dropout or DoRA (peft cannot factor them out of a parameter's adapter); any ZeRO stage."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter's input."""
     modules_to_save: list[str] = []
