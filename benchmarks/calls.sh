@@ -8,7 +8,6 @@
 #   bash benchmarks/calls.sh offload GPUS SHAPE [PRESETS]   offload presets at accumulation 1 and ACCUM, torch both ways
 #   bash benchmarks/calls.sh hf GPUS SHAPES [PRESETS]       HF shapes: torch eager and compiled, dstrain compiled and eager
 #   bash benchmarks/calls.sh speedup GPUS SHAPE PRESET OFF [PAIRS]   dstrain with and without one setting, in pairs
-#   bash benchmarks/calls.sh large_vocab [PAIRS]            the LM loss whole and in chunks (large_vocab.py, then pairs)
 #
 # GPUS is a count or a list (1,2,4: peers then prints benchmarks/scaling.py's table); SHAPES one or more of
 # shape_args' names below. Environment: OUT (results and logs; default benchmarks/results/<date>-calls), STEPS
@@ -21,7 +20,7 @@
 # +env:NAME=VALUE, several joined by ";"). One device command lasts 10 minutes: give a 1.3B shape a call of its
 # own, or split the presets. Results: $OUT/<shape>/*.json, logs $OUT/*.log, the rows' own logs $OUT/rowlogs.tgz.
 set -u
-MODE=${1:?MODE: peers, offload, hf, speedup or large_vocab}; shift
+MODE=${1:?MODE: peers, offload, hf or speedup}; shift
 OUT=${OUT:-benchmarks/results/$(date +%F)-calls}
 WORK=${WORK:-/tmp/dstrain-calls}
 mkdir -p "$OUT" "$WORK"
@@ -86,15 +85,7 @@ case $MODE in
     TORCH=(--steps "${STEPS:-60}")
     pairs "${5:-3}" on "@dstrain=" off "@dstrain=$OFF"
     ROWS+=(--steps "${STEPS:-60}" --runners dstrain --presets "${3:?PRESET}" --no-base) ;;
-  large_vocab)  # plain torch, the Qwen2.5-1.5B shape: micro batch 4 whole and chunked, 8 chunked; then the suite
-    GPUS=1; SHAPES=406m; TORCH=()
-    python3 benchmarks/large_vocab.py --out "$OUT/large_vocab-mb4.json" > "$OUT/large_vocab.log" 2>&1
-    python3 benchmarks/large_vocab.py --micro-batch 8 --variants chunked --out "$OUT/large_vocab-mb8.json" \
-      >> "$OUT/large_vocab.log" 2>&1
-    cat "$OUT/large_vocab.log"
-    pairs "${1:-2}" whole "@torch,dstrain=train.loss_chunking=false" chunked "@torch,dstrain=train.loss_chunking=true"
-    ROWS+=(--vocab-size 151936 --steps "${STEPS:-40}" --runners torch,dstrain --presets stage2 --no-base) ;;
-  *) echo "unknown mode '$MODE': peers, offload, hf, speedup or large_vocab" >&2; exit 2 ;;
+  *) echo "unknown mode '$MODE': peers, offload, hf or speedup" >&2; exit 2 ;;
 esac
 
 ( OPS=${OPS:-FusedAdamBuilder CPUAdamBuilder} bash benchmarks/gpu_ops.sh

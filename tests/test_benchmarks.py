@@ -132,18 +132,6 @@ def test_sft_benchmark_runs_a_padded_dstrain_row_and_reports_real_tokens(tmp_pat
     assert (tmp_path / "out" / "logs" / "dstrain-z2-full-padded.log").exists()
 
 
-def test_large_vocab_compares_the_whole_and_the_chunked_loss(tmp_path):
-    """benchmarks/large_vocab.py's CPU smoke path: both variants run, each in its own process, from the same
-    weights and batch (the same step-1 loss), and the JSON holds what the table shows."""
-    out = tmp_path / "large_vocab.json"
-    run_script("large_vocab.py", "--tiny", "--device", "cpu", "--warmup", "1", "--steps", "2", "--out", str(out))
-    doc = json.loads(out.read_text())
-    assert doc["shape"]["tie_word_embeddings"] is True and doc["chunk"] == 1024
-    whole, chunked = doc["rows"]
-    assert (whole["variant"], chunked["variant"]) == ("whole", "chunked")
-    assert chunked["loss_rel_diff"] < 1e-3 and chunked["tokens_per_s"] > 0 and chunked["host_rss_gib"] > 0
-
-
 def test_rows_picks_a_whole_name_alone_and_a_bare_word_inside_names():
     """--rows of sft.py, preference.py and fp8.py: `fp8-tensorwise` is that row, not also fp8-tensorwise-exact
     (2026-11-29's loss check ran a row it was not asked for); a word or a glob picks every row it matches."""
