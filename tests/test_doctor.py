@@ -287,7 +287,9 @@ def test_nvme_missing_dir_suggests_mkdir(tmp_path):
     assert [(p["severity"], p["fix"]) for p in problems] == [("error", f"mkdir -p {tmp_path / 'nvme'}")]
 
 
-@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs procfs")
+@pytest.mark.skipif(not Path("/proc/self").is_dir(),
+                    reason="no /proc on this system: the test needs a directory that refuses new files even to root, "
+                           "which Linux's procfs is (a chmod'ed directory does not stop root)")
 def test_nvme_unwritable_dir_is_an_error_with_fix():
     # procfs refuses new files even to root, unlike a chmod'ed directory.
     info, problems = doctor.check_nvme(Path("/proc"))

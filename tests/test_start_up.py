@@ -44,7 +44,7 @@ def test_deepspeeds_muon_module_imports_without_inductor_and_the_optimizer_check
     `import deepspeed` already: there is nothing to change)."""
     from dstrain.speedups.registry import unverified
     if unverified():
-        pytest.skip(unverified())
+        pytest.skip(f"nothing to check on this DeepSpeed: {unverified()}")
     script = """
 import json, os, sys, torch
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -87,7 +87,7 @@ def test_a_zero3_engine_trains_checkpoints_and_saves_without_torch_dynamo_and_co
     zeroes gradients runs."""
     from dstrain.speedups.registry import unverified
     if unverified():
-        pytest.skip(unverified())
+        pytest.skip(f"nothing to check on this DeepSpeed: {unverified()}")
     from one_rank import run_one_rank
 
     facts = run_one_rank("""
